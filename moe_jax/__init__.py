@@ -1,0 +1,11 @@
+"""moe_jax: exact, fixed-shape Mixture-of-Experts dispatch for JAX."""
+
+from moe_jax import custom_calls
+from moe_jax.config import MoEConfig
+from moe_jax.dispatch import (Delivered, DispatchContext, DispatchResult, DispatchStats,
+                              dispatch_combine)
+from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
+from moe_jax.plan import DispatchPlan, make_plan
+from moe_jax.routing import Routing, route
+
+__version__ = "0.1.0"

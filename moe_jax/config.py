@@ -1,0 +1,137 @@
+"""Configuration of an MoE layer, validated when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+Strategy = Literal["dense", "max_counts", "cap_and_spill", "ragged"]
+Transport = Literal["lax", "custom_call", "ragged"]
+KernelImpl = Literal["custom_call", "reference"]
+RouterKind = Literal["softmax", "sigmoid_grouped"]
+
+STRATEGIES = ("dense", "max_counts", "cap_and_spill", "ragged")
+TRANSPORTS = ("lax", "custom_call")
+KERNEL_IMPLS = ("custom_call", "reference")
+ROUTERS = ("softmax", "sigmoid_grouped")
+
+
+def _require(cond: bool, argument: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"MoEConfig.{argument}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Everything that fixes the shapes and the algorithm of one MoE layer.
+
+    Attributes:
+      hidden_size: model width H.
+      ffn_size: width F of each SwiGLU expert.
+      num_experts: total experts E; with expert parallelism over P ranks each
+        rank holds E // P of them (E must divide by P).
+      top_k: experts per token (1 <= top_k <= num_experts).
+      strategy: how tokens reach their experts; every strategy is exact.
+        "dense" (no expert parallelism, the reference), "max_counts"
+        (per-peer buffers padded to the true worst case), "cap_and_spill"
+        (pass 1 at `capacity`, pass 2 at `spill_capacity`, an exact fallback
+        beyond both), "ragged" (only the real rows move).
+      capacity: C, rows per (source, destination) pair in pass 1
+        (cap_and_spill only; choose it with `moe_jax.calibrate`).
+      spill_capacity: S, rows per pair in pass 2 (cap_and_spill only).
+      transport: how buffers cross ranks: "lax" (`lax.all_to_all`, or
+        `lax.ragged_all_to_all` for the ragged strategy on GPU) or
+        "custom_call" (moe_jax's own all-to-all custom call; on CPU it also
+        gives the ragged strategy the ragged all-to-all XLA:CPU lacks).
+      kernel_impl: "custom_call" runs pack/combine as XLA FFI custom calls,
+        "reference" runs their pure-JAX references instead.
+      expert_axis: name of the mesh axis experts are sharded over.
+      router: "softmax" (Mixtral top-k softmax) or "sigmoid_grouped"
+        (DeepSeek-V3 sigmoid scores with group-limited selection).
+      num_groups / topk_groups: expert groups and groups kept per token for
+        the "sigmoid_grouped" router.
+      routed_scaling: factor on the combine weights of the sigmoid router.
+      load_balance_coef / router_z_coef: weights of the auxiliary losses.
+      dtype: dtype of activations and expert matmul inputs.
+      param_dtype: dtype of the parameters.
+    """
+
+    hidden_size: int
+    ffn_size: int
+    num_experts: int
+    top_k: int = 2
+    strategy: str = "cap_and_spill"
+    capacity: int | None = None
+    spill_capacity: int | None = None
+    transport: str = "lax"
+    kernel_impl: str = "custom_call"
+    expert_axis: str = "ep"
+    router: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    load_balance_coef: float = 1e-2
+    router_z_coef: float = 1e-3
+    dtype: jnp.dtype = jnp.bfloat16
+    param_dtype: jnp.dtype = jnp.float32
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_size", "num_experts", "top_k"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, np.integer)) and value >= 1, name,
+                     f"must be a positive integer, got {value!r}")
+        _require(self.top_k <= self.num_experts, "top_k",
+                 f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        _require(self.strategy in STRATEGIES, "strategy",
+                 f"must be one of {STRATEGIES}, got {self.strategy!r}")
+        _require(self.transport in TRANSPORTS, "transport",
+                 f"must be one of {TRANSPORTS}, got {self.transport!r}")
+        _require(self.kernel_impl in KERNEL_IMPLS, "kernel_impl",
+                 f"must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
+        _require(self.router in ROUTERS, "router",
+                 f"must be one of {ROUTERS}, got {self.router!r}")
+        if self.strategy == "cap_and_spill":
+            _require(self.capacity is not None, "capacity",
+                     "cap_and_spill needs a capacity C (see moe_jax.calibrate)")
+            _require(self.spill_capacity is not None, "spill_capacity",
+                     "cap_and_spill needs a spill_capacity S (see moe_jax.calibrate)")
+        if self.capacity is not None:
+            _require(isinstance(self.capacity, (int, np.integer)) and self.capacity >= 1,
+                     "capacity", f"must be an integer >= 1, got {self.capacity!r}")
+        if self.spill_capacity is not None:
+            _require(isinstance(self.spill_capacity, (int, np.integer))
+                     and self.spill_capacity >= 0,
+                     "spill_capacity", f"must be an integer >= 0, got {self.spill_capacity!r}")
+        _require(isinstance(self.expert_axis, str) and self.expert_axis != "", "expert_axis",
+                 "must be a mesh axis name")
+        if self.router == "sigmoid_grouped":
+            _require(self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
+                     "num_groups", f"must divide num_experts={self.num_experts}, "
+                     f"got {self.num_groups}")
+            _require(1 <= self.topk_groups <= self.num_groups, "topk_groups",
+                     f"must be in [1, num_groups={self.num_groups}], got {self.topk_groups}")
+            per_group = self.num_experts // self.num_groups
+            _require(self.top_k <= self.topk_groups * per_group, "top_k",
+                     f"top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts "
+                     "in the selected groups")
+        for name in ("load_balance_coef", "router_z_coef"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("dtype", "param_dtype"):
+            dt = jnp.dtype(getattr(self, name))
+            _require(dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                            jnp.dtype(jnp.float16)),
+                     name, f"must be float32, bfloat16 or float16, got {dt}")
+
+    def experts_per_rank(self, num_ranks: int) -> int:
+        """Experts each of `num_ranks` ranks holds; raises if E % P != 0."""
+        if num_ranks < 1 or self.num_experts % num_ranks != 0:
+            raise ValueError(
+                f"MoEConfig.num_experts: {self.num_experts} experts cannot be split "
+                f"evenly over {num_ranks} ranks of mesh axis {self.expert_axis!r}")
+        return self.num_experts // num_ranks
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,220 @@
+"""Typed wrappers of moe_jax's XLA FFI custom calls.
+
+Semantics: docs/design/custom_calls.md; pure-JAX references: moe_jax/refs.py.
+Shapes and dtypes are validated at trace time, naming the offending operand.
+Each wrapper takes `impl`: "custom_call" (the FFI handler of the platform) or
+"reference" (the pure-JAX reference, identical bits).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import refs
+
+PACK = "moe_jax_pack"
+COMBINE = "moe_jax_combine"
+ALL_TO_ALL = "moe_jax_all_to_all"
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+_registered_platforms: dict[str, tuple[str, ...]] = {}
+_load_errors: dict[str, str] = {}
+
+
+def _register_module(module_name: str, platform: str) -> None:
+    try:
+        module = __import__(f"moe_jax.{module_name}", fromlist=["registrations"])
+    except ImportError as err:
+        _load_errors[platform] = str(err)
+        return
+    names = []
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        names.append(name)
+    _registered_platforms[platform] = tuple(sorted(names))
+
+
+def register() -> dict[str, tuple[str, ...]]:
+    """Registers the compiled handlers with XLA (idempotent, done at import).
+
+    Returns {platform: target names} for the platforms whose handlers were
+    built into this installation.
+    """
+    if not _registered_platforms and not _load_errors:
+        _register_module("_ffi_cpu", "cpu")
+        _register_module("_ffi_cuda", "CUDA")
+    return dict(_registered_platforms)
+
+
+def available_platforms() -> tuple[str, ...]:
+    return tuple(p.lower() for p in register())
+
+
+def _require_handlers(target: str, platform: str | None) -> None:
+    platform = (platform or jax.default_backend()).lower()
+    key = {"gpu": "cuda"}.get(platform, platform)
+    registered = {p.lower(): names for p, names in register().items()}
+    if target not in registered.get(key, ()):
+        why = _load_errors.get("cpu" if key == "cpu" else "CUDA", "not built")
+        raise RuntimeError(
+            f"{target}: no {key} handler in this moe_jax installation ({why}). "
+            "Rebuild with `pip install .` (CUDA handlers need nvcc at build time) or "
+            "use kernel_impl='reference'.")
+
+
+def _check(cond: bool, target: str, operand: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{target}: operand '{operand}' {message}")
+
+
+def _check_index(arr, target: str, operand: str, shape: tuple) -> None:
+    _check(arr.dtype == jnp.int32 and tuple(arr.shape) == tuple(shape), target, operand,
+           f"must be int32 of shape {tuple(shape)}, got {arr.dtype}{list(arr.shape)}")
+
+
+def pack(x, sorted_slots, send_offsets, send_counts, *, top_k: int, start: int,
+         capacity: int, spill_capacity: int, impl: str = "custom_call",
+         platform: str | None = None):
+    """Gathers token rows into per-destination capped and spill buffers.
+
+    Args:
+      x: [T, H] float32/bfloat16/float16 tokens.
+      sorted_slots: [T * top_k] int32 slots in stream order (see plan.py).
+      send_offsets, send_counts: [P] int32 stream starts and lengths.
+      top_k, start, capacity, spill_capacity: static ints.
+    Returns:
+      cap_buf [P, capacity, H] and spill_buf [P, spill_capacity, H], dtype of
+      x: stream positions [start, start+capacity) and the next
+      spill_capacity positions; rows past a stream are zero.
+    Graph-capturable on CUDA (one kernel launch, no allocation or sync).
+    """
+    _check(x.ndim == 2 and x.dtype in FLOAT_DTYPES, PACK, "x",
+           f"must be a [T, H] float32/bfloat16/float16 array, got {x.dtype}{list(x.shape)}")
+    for name, value in (("top_k", top_k),):
+        _check(value >= 1, PACK, name, f"must be >= 1, got {value}")
+    for name, value in (("start", start), ("capacity", capacity),
+                        ("spill_capacity", spill_capacity)):
+        _check(value >= 0, PACK, name, f"must be >= 0, got {value}")
+    num_ranks = send_counts.shape[0] if send_counts.ndim == 1 else -1
+    _check_index(sorted_slots, PACK, "sorted_slots", (x.shape[0] * top_k,))
+    _check_index(send_offsets, PACK, "send_offsets", (num_ranks,))
+    _check_index(send_counts, PACK, "send_counts", (num_ranks,))
+    kwargs = dict(top_k=int(top_k), start=int(start), capacity=int(capacity),
+                  spill_capacity=int(spill_capacity))
+    if impl == "reference":
+        return refs.pack(x, sorted_slots, send_offsets, send_counts, **kwargs)
+    _require_handlers(PACK, platform)
+    hidden = x.shape[1]
+    out_types = (jax.ShapeDtypeStruct((num_ranks, capacity, hidden), x.dtype),
+                 jax.ShapeDtypeStruct((num_ranks, spill_capacity, hidden), x.dtype))
+    call = jax.ffi.ffi_call(PACK, out_types, vmap_method="sequential")
+    return call(x, sorted_slots, send_offsets, send_counts,
+                **{k: np.int64(v) for k, v in kwargs.items()})
+
+
+def combine(cap_ret, spill_ret, dest, pos, weights, *, start: int, out_dtype,
+            impl: str = "custom_call", platform: str | None = None):
+    """Weighted merge of returned expert outputs back to token order.
+
+    Args:
+      cap_ret: [P, C, H] expert outputs in the layout pack wrote.
+      spill_ret: [P, S, H] same dtype (S may be 0).
+      dest, pos: [T * k] int32 destination rank and stream position per slot.
+      weights: [T, k] float32 combine weights.
+      start: stream position of cap_ret[:, 0].
+      out_dtype: float32, bfloat16 or float16.
+    Returns:
+      [T, H] out_dtype; float32 accumulation over the k picks in order; picks
+      outside both windows contribute nothing.
+    Graph-capturable on CUDA (one kernel launch).
+    """
+    _check(cap_ret.ndim == 3 and cap_ret.dtype in FLOAT_DTYPES, COMBINE, "cap_ret",
+           f"must be [P, C, H] float32/bfloat16/float16, got {cap_ret.dtype}{list(cap_ret.shape)}")
+    num_ranks, _, hidden = cap_ret.shape
+    _check(spill_ret.ndim == 3 and spill_ret.dtype == cap_ret.dtype
+           and spill_ret.shape[0] == num_ranks and spill_ret.shape[2] == hidden,
+           COMBINE, "spill_ret", f"must be [{num_ranks}, S, {hidden}] {cap_ret.dtype}, "
+           f"got {spill_ret.dtype}{list(spill_ret.shape)}")
+    _check(weights.ndim == 2 and weights.dtype == jnp.float32, COMBINE, "weights",
+           f"must be [T, k] float32, got {weights.dtype}{list(weights.shape)}")
+    num_slots = weights.shape[0] * weights.shape[1]
+    _check_index(dest, COMBINE, "dest", (num_slots,))
+    _check_index(pos, COMBINE, "pos", (num_slots,))
+    out_dtype = jnp.dtype(out_dtype)
+    _check(out_dtype in FLOAT_DTYPES, COMBINE, "out_dtype",
+           f"must be float32/bfloat16/float16, got {out_dtype}")
+    _check(start >= 0, COMBINE, "start", f"must be >= 0, got {start}")
+    if impl == "reference":
+        return refs.combine(cap_ret, spill_ret, dest, pos, weights, start=start,
+                            out_dtype=out_dtype)
+    _require_handlers(COMBINE, platform)
+    out_type = jax.ShapeDtypeStruct((weights.shape[0], hidden), out_dtype)
+    call = jax.ffi.ffi_call(COMBINE, out_type, vmap_method="sequential")
+    return call(cap_ret, spill_ret, dest, pos, weights, start=np.int64(start))
+
+
+_channel_ids = itertools.count(1)
+
+
+def _check_single_group(axis_name: str) -> None:
+    mesh = jax.sharding.get_abstract_mesh()
+    others = [n for n in getattr(mesh, "axis_names", ()) if n != axis_name and mesh.shape[n] > 1]
+    _check(not others, ALL_TO_ALL, "axis_name",
+           f"the CPU all-to-all custom call needs {axis_name!r} to be the only mesh axis of "
+           f"size > 1 (also found {others}); use transport='lax' or the reference")
+
+
+def ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, *, recv_rows: int,
+                      axis_name: str, impl: str = "custom_call"):
+    """All-to-all of ragged row ranges among the ranks of `axis_name`.
+
+    Call inside `jax.shard_map`. Rank r sends rows
+    send[send_offsets[p] : send_offsets[p] + send_sizes[p]] to each rank p;
+    they land at recv[recv_offsets[r] ...] on p, where recv_offsets are the
+    receiver's own. Rows nobody wrote are zero.
+
+    Args:
+      send: [Ns, ...] any dtype.
+      send_offsets, send_sizes, recv_offsets: [P] int32.
+      recv_rows: static row count of the result.
+    Returns:
+      (recv [recv_rows, ...], recv_sizes [P] int32).
+    The custom call is CPU-only (an in-process rendezvous of the devices of
+    one execution); "reference" is built from all_gather.
+    """
+    num_ranks = send_sizes.shape[0] if send_sizes.ndim == 1 else -1
+    for name, arr in (("send_offsets", send_offsets), ("send_sizes", send_sizes),
+                      ("recv_offsets", recv_offsets)):
+        _check_index(arr, ALL_TO_ALL, name, (num_ranks,))
+    _check(send.ndim >= 1, ALL_TO_ALL, "send", "must have a leading row axis")
+    _check(recv_rows >= 0, ALL_TO_ALL, "recv_rows", f"must be >= 0, got {recv_rows}")
+    if impl == "reference":
+        return refs.ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets,
+                                      recv_rows, axis_name=axis_name)
+    _require_handlers(ALL_TO_ALL, "cpu")
+    _check_single_group(axis_name)
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    out_types = (jax.ShapeDtypeStruct((recv_rows,) + send.shape[1:], send.dtype),
+                 jax.ShapeDtypeStruct((num_ranks,), jnp.int32))
+    call = jax.ffi.ffi_call(ALL_TO_ALL, out_types, has_side_effect=True)
+    return call(send, send_offsets, send_sizes, recv_offsets, rank,
+                channel_id=np.int64(next(_channel_ids)), group_key=np.int64(0))
+
+
+def all_to_all(x, *, axis_name: str, impl: str = "custom_call"):
+    """Dense all-to-all of [P, C, ...] blocks: result[src] = x@src[rank]."""
+    num_ranks, capacity = x.shape[0], x.shape[1]
+    offsets = jnp.arange(num_ranks, dtype=jnp.int32) * capacity
+    sizes = jnp.full((num_ranks,), capacity, jnp.int32)
+    flat = x.reshape((num_ranks * capacity,) + x.shape[2:])
+    recv, _ = ragged_all_to_all(flat, offsets, sizes, offsets, recv_rows=num_ranks * capacity,
+                                axis_name=axis_name, impl=impl)
+    return recv.reshape(x.shape)
+
+
+register()

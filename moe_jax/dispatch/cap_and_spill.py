@@ -1,0 +1,45 @@
+"""cap_and_spill: pass 1 at capacity C, pass 2 at S, an exact fallback beyond.
+
+Both passes always run with fixed shapes and no host sync. Streams longer
+than C + S (rare when C and S come from calibration) are finished by a third
+pass under `lax.cond`; its predicate is a `pmax` over the expert axis, so
+every rank takes the same branch and the collectives inside stay matched.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.dispatch.context import DispatchContext
+from moe_jax.dispatch.passes import merge_delivered, window_pass
+from moe_jax.dispatch.stats import stream_stats
+from moe_jax.plan import worst_case_rows_per_peer
+
+
+def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_counts,
+                  capacity: int, spill_capacity: int, delivered_rows=None, **_):
+    worst = worst_case_rows_per_peer(x.shape[0], plan.top_k, plan.experts_per_rank)
+    cap = min(capacity, worst)
+    spill = min(spill_capacity, worst - cap)
+    out, delivered = window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
+                                 start=0, capacity=cap, spill_capacity=spill,
+                                 delivered_rows=delivered_rows)
+    stats = stream_stats(plan.send_counts, ctx, cap, spill)
+    residual = worst - cap - spill
+    if residual == 0:
+        return out, stats, delivered
+
+    def fallback(_):
+        return window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
+                           start=cap + spill, capacity=residual,
+                           delivered_rows=delivered_rows)
+
+    def skip(_):
+        zero = jnp.zeros_like(out)
+        if delivered_rows is None:
+            return zero, None
+        return zero, jax.tree.map(jnp.zeros_like, delivered)
+
+    extra, extra_delivered = jax.lax.cond(stats.fallback_steps > 0, fallback, skip, None)
+    return out + extra, stats, merge_delivered(delivered, extra_delivered)

@@ -1,0 +1,75 @@
+"""Where a strategy runs: its rank group, transport and kernel implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import custom_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchContext:
+    """Static facts a strategy needs while tracing.
+
+    axis_name: the expert mesh axis (None when there is one rank).
+    num_ranks: P, ranks along axis_name.
+    transport: "lax" (XLA collectives) or "custom_call" (moe_jax's own).
+    kernel_impl: "custom_call" or "reference" for pack / combine.
+    platform: "cpu" or "gpu" (the platform the program is compiled for).
+    """
+
+    axis_name: str | None
+    num_ranks: int
+    transport: str = "lax"
+    kernel_impl: str = "custom_call"
+    platform: str = "cpu"
+
+    def all_to_all(self, x: jax.Array) -> jax.Array:
+        """[P, C, ...] blocks: result[src] = x@src[rank]. Identity for one rank."""
+        if self.axis_name is None or self.num_ranks == 1:
+            return x
+        if self.transport == "custom_call":
+            return custom_calls.all_to_all(x, axis_name=self.axis_name)
+        return jax.lax.all_to_all(x, self.axis_name, 0, 0, tiled=False)
+
+    def ragged_all_to_all(self, send, send_offsets, send_sizes, recv_offsets, recv_rows):
+        """Moves only real rows; see custom_calls.ragged_all_to_all.
+
+        recv_offsets are this rank's own (where rows from each source land).
+        Uses lax.ragged_all_to_all on GPU with transport "lax", and the CPU
+        custom call otherwise (XLA:CPU does not implement the former).
+        """
+        if self.axis_name is None or self.num_ranks == 1:
+            out = jnp.zeros((recv_rows,) + send.shape[1:], send.dtype)
+            rows = min(recv_rows, send.shape[0])
+            mask = (jnp.arange(rows) < send_sizes[0]).reshape((rows,) + (1,) * (send.ndim - 1))
+            return out.at[:rows].set(jnp.where(mask, send[:rows], 0)), send_sizes
+        if self.transport == "lax" and self.platform != "cpu":
+            # Each sender must name where its rows land on every receiver.
+            output_offsets = jax.lax.all_to_all(recv_offsets, self.axis_name, 0, 0, tiled=True)
+            recv_sizes = jax.lax.all_to_all(send_sizes, self.axis_name, 0, 0, tiled=True)
+            out = jnp.zeros((recv_rows,) + send.shape[1:], send.dtype)
+            out = jax.lax.ragged_all_to_all(send, out, send_offsets, send_sizes,
+                                            output_offsets, recv_sizes, axis_name=self.axis_name)
+            return out, recv_sizes
+        impl = "reference" if self.kernel_impl == "reference" and self.transport != \
+            "custom_call" else "custom_call"
+        return custom_calls.ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets,
+                                              recv_rows=recv_rows, axis_name=self.axis_name,
+                                              impl=impl)
+
+    def psum(self, x):
+        return x if self.axis_name is None else jax.lax.psum(x, self.axis_name)
+
+    def pmax(self, x):
+        return x if self.axis_name is None else jax.lax.pmax(x, self.axis_name)
+
+    def pack(self, *args, **kwargs):
+        return custom_calls.pack(*args, impl=self.kernel_impl, platform=self.platform, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        return custom_calls.combine(*args, impl=self.kernel_impl, platform=self.platform,
+                                    **kwargs)

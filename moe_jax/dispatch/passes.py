@@ -1,0 +1,124 @@
+"""The building block every strategy shares: one exchange of stream windows.
+
+A pass moves stream positions [start, start + capacity + spill) of every
+(source -> destination) stream: pack, all-to-all, experts on the received
+rows, all-to-all back, combine. Strategies differ only in which passes they
+run and how buffers cross ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.dispatch.context import DispatchContext
+from moe_jax.plan import DispatchPlan, exclusive_cumsum
+
+ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
+"""(rows [M, H] sorted by local expert, group_sizes [E_local] int32) -> [M, H]."""
+
+
+class Delivered(NamedTuple):
+    """Rows a rank's experts received, in canonical order (a test/debug view).
+
+    rows: [R, H] expert-major; within an expert by (source rank, token, pick).
+    valid: [R] bool, True for rows that were delivered.
+    group_sizes: [E_local] int32 rows per local expert.
+    """
+
+    rows: jax.Array
+    valid: jax.Array
+    group_sizes: jax.Array
+
+
+def merge_delivered(a: Delivered | None, b: Delivered | None) -> Delivered | None:
+    if a is None or b is None:
+        return a if b is None else b
+    rows = jnp.where(b.valid[:, None], b.rows, a.rows)
+    return Delivered(rows, a.valid | b.valid, a.group_sizes)
+
+
+def locate_rows(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array):
+    """Local expert and canonical index of received rows.
+
+    Args:
+      src: [M] int32 source rank of each row.
+      q: [M] int32 position of the row in its source's stream.
+      recv_expert_counts: [P, E_local] rows each source sends each local expert.
+    Returns:
+      (local_expert [M], canonical [M]); both are out of range (E_local and
+      P * max rows) for rows past the end of their stream.
+    """
+    num_ranks, num_local = recv_expert_counts.shape
+    ends = jnp.cumsum(recv_expert_counts, axis=1)
+    valid = q < ends[src, -1]
+    local = jnp.sum(q[:, None] >= ends[src], axis=1).astype(jnp.int32)
+    local = jnp.where(valid, local, num_local)
+    safe = jnp.minimum(local, num_local - 1)
+    expert_offset = exclusive_cumsum(jnp.sum(recv_expert_counts, axis=0))
+    src_offset = exclusive_cumsum(recv_expert_counts, axis=0)
+    stream_start = ends - recv_expert_counts
+    canonical = (expert_offset[safe] + src_offset[src, safe] + q - stream_start[src, safe])
+    invalid_index = jnp.iinfo(jnp.int32).max
+    return local, jnp.where(valid, canonical, invalid_index).astype(jnp.int32)
+
+
+def run_experts(rows: jax.Array, local_expert: jax.Array, num_local: int,
+                expert_fn: ExpertFn) -> jax.Array:
+    """Applies each row's expert; rows with local_expert == num_local are padding."""
+    num_rows = rows.shape[0]
+    order = jnp.argsort(local_expert, stable=True)
+    group_sizes = jnp.zeros((num_local,), jnp.int32).at[local_expert].add(1, mode="drop")
+    out_sorted = expert_fn(rows[order], group_sizes)
+    inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(
+        jnp.arange(num_rows, dtype=jnp.int32))
+    return out_sorted[inverse]
+
+
+def deliver(rows, canonical, recv_expert_counts, total_rows: int) -> Delivered:
+    """Scatters received rows to their canonical slots (for tests and debugging)."""
+    buf = jnp.zeros((total_rows,) + rows.shape[1:], rows.dtype)
+    buf = buf.at[canonical].set(rows, mode="drop")
+    valid = jnp.zeros((total_rows,), bool).at[canonical].set(True, mode="drop")
+    return Delivered(buf, valid, jnp.sum(recv_expert_counts, axis=0).astype(jnp.int32))
+
+
+def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
+                recv_expert_counts: jax.Array, ctx: DispatchContext, expert_fn: ExpertFn, *,
+                start: int, capacity: int, spill_capacity: int = 0,
+                delivered_rows: int | None = None):
+    """One exchange of stream positions [start, start + capacity + spill_capacity).
+
+    Args:
+      x: [T, H] tokens; weights: [T, k] float32 combine weights.
+      recv_expert_counts: [P, E_local] int32 rows each source sends to each
+        of this rank's experts (from the counts exchange).
+      delivered_rows: if given, also return a Delivered view of that size.
+    Returns:
+      (partial output [T, H] float32 holding the picks this pass moved,
+       Delivered or None).
+    """
+    num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
+    cap_buf, spill_buf = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
+                                  top_k=plan.top_k, start=start, capacity=capacity,
+                                  spill_capacity=spill_capacity)
+    received = [ctx.all_to_all(cap_buf)]
+    if spill_capacity:
+        received.append(ctx.all_to_all(spill_buf))
+    rows = received[0] if len(received) == 1 else jnp.concatenate(received, axis=1)
+    width = capacity + spill_capacity
+    src = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), width)
+    q = jnp.tile(start + jnp.arange(width, dtype=jnp.int32), num_ranks)
+    local, canonical = locate_rows(src, q, recv_expert_counts)
+    flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
+    out_rows = run_experts(flat, local, num_local, expert_fn).reshape(rows.shape)
+    cap_ret = ctx.all_to_all(out_rows[:, :capacity])
+    spill_ret = ctx.all_to_all(out_rows[:, capacity:]) if spill_capacity else spill_buf
+    partial = ctx.combine(cap_ret, spill_ret, plan.dest, plan.pos, weights, start=start,
+                          out_dtype=jnp.float32)
+    delivered = None
+    if delivered_rows is not None:
+        delivered = deliver(flat, canonical, recv_expert_counts, delivered_rows)
+    return partial, delivered

@@ -1,0 +1,44 @@
+"""ragged: only the real rows cross ranks (ragged all-to-all both ways).
+
+Receive buffers are sized for the worst case (P * T * min(k, E_local) rows)
+so shapes stay static; the bytes moved are the actual rows.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from moe_jax.dispatch.context import DispatchContext
+from moe_jax.dispatch.passes import deliver, locate_rows, run_experts
+from moe_jax.dispatch.stats import stream_stats
+from moe_jax.plan import exclusive_cumsum, worst_case_rows_per_peer
+
+
+def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_counts,
+           delivered_rows=None, **_):
+    num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
+    num_slots = plan.sorted_slots.shape[0]
+    recv_rows = num_ranks * worst_case_rows_per_peer(x.shape[0], plan.top_k, num_local)
+    # All slots in stream order: a one-destination pack of the whole stream.
+    whole = jnp.full((1,), num_slots, jnp.int32)
+    send, no_spill = ctx.pack(x, plan.sorted_slots, jnp.zeros((1,), jnp.int32), whole,
+                              top_k=plan.top_k, start=0, capacity=num_slots, spill_capacity=0)
+    recv_counts = jnp.sum(recv_expert_counts, axis=1).astype(jnp.int32)
+    recv_offsets = exclusive_cumsum(recv_counts)
+    rows, _ = ctx.ragged_all_to_all(send[0], plan.send_offsets, plan.send_counts, recv_offsets,
+                                    recv_rows)
+    r = jnp.arange(recv_rows, dtype=jnp.int32)
+    src = jnp.clip(jnp.sum(r[:, None] >= (recv_offsets + recv_counts)[None, :], axis=1),
+                   0, num_ranks - 1).astype(jnp.int32)
+    q = r - recv_offsets[src]
+    local, canonical = locate_rows(src, q, recv_expert_counts)
+    out_rows = run_experts(rows, local, num_local, expert_fn)
+    back, _ = ctx.ragged_all_to_all(out_rows, recv_offsets, recv_counts, plan.send_offsets,
+                                    num_slots)
+    stream_pos = plan.send_offsets[plan.dest] + plan.pos
+    out = ctx.combine(back[None], no_spill, jnp.zeros_like(plan.dest), stream_pos, weights,
+                      start=0, out_dtype=jnp.float32)
+    delivered = None
+    if delivered_rows is not None:
+        delivered = deliver(rows, canonical, recv_expert_counts, delivered_rows)
+    return out, stream_stats(plan.send_counts, ctx), delivered

@@ -1,0 +1,56 @@
+"""Counters a dispatch reports: how much spilled, whether the fallback ran."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.dispatch.context import DispatchContext
+
+
+class DispatchStats(NamedTuple):
+    """Per-call dispatch counters, int32 scalars equal on every rank.
+
+    rows: (token, pick) rows routed, all ranks together.
+    max_peer_rows: the largest (source -> destination) stream.
+    spilled_rows: rows moved by the spill pass (cap_and_spill).
+    overflow_rows: rows beyond capacity + spill_capacity, moved by the fallback.
+    spill_steps: 1 if this call spilled any row, else 0.
+    fallback_steps: 1 if this call ran the fallback, else 0.
+    """
+
+    rows: jax.Array
+    max_peer_rows: jax.Array
+    spilled_rows: jax.Array
+    overflow_rows: jax.Array
+    spill_steps: jax.Array
+    fallback_steps: jax.Array
+
+    @staticmethod
+    def zeros() -> "DispatchStats":
+        return DispatchStats(*(jnp.zeros((), jnp.int32) for _ in range(6)))
+
+    def __add__(self, other: "DispatchStats") -> "DispatchStats":  # accumulate over calls
+        return DispatchStats(self.rows + other.rows,
+                             jnp.maximum(self.max_peer_rows, other.max_peer_rows),
+                             self.spilled_rows + other.spilled_rows,
+                             self.overflow_rows + other.overflow_rows,
+                             self.spill_steps + other.spill_steps,
+                             self.fallback_steps + other.fallback_steps)
+
+
+def stream_stats(send_counts: jax.Array, ctx: DispatchContext, capacity: int | None = None,
+                 spill_capacity: int = 0) -> DispatchStats:
+    """Stats of this call's streams for a pass-1 capacity (None: no cap)."""
+    counts = send_counts.astype(jnp.int32)
+    rows = ctx.psum(jnp.sum(counts))
+    max_peer = ctx.pmax(jnp.max(counts))
+    if capacity is None:
+        zero = jnp.zeros((), jnp.int32)
+        return DispatchStats(rows, max_peer, zero, zero, zero, zero)
+    spilled = ctx.psum(jnp.sum(jnp.clip(counts - capacity, 0, spill_capacity)))
+    overflow = ctx.psum(jnp.sum(jnp.maximum(counts - capacity - spill_capacity, 0)))
+    return DispatchStats(rows, max_peer, spilled, overflow, (spilled > 0).astype(jnp.int32),
+                         (overflow > 0).astype(jnp.int32))

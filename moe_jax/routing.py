@@ -1,0 +1,108 @@
+"""Routers: pick top-k experts per token, with their combine weights.
+
+Ties are broken towards the lower expert index (`lax.top_k` is stable), so
+routing is deterministic for given logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+    """Routing decision for T tokens.
+
+    expert_ids: [T, k] int32 global expert ids, distinct per token.
+    weights: [T, k] float32 combine weights.
+    probs: [T, E] float32 router probabilities (softmax or sigmoid scores).
+    logits: [T, E] float32 router logits.
+    """
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    probs: jax.Array
+    logits: jax.Array
+
+
+def topk_softmax(logits: jax.Array, top_k: int) -> Routing:
+    """Mixtral routing: softmax over experts, top-k, weights renormalized.
+
+    Args:
+      logits: [T, E] router logits (any float dtype; computed in float32).
+      top_k: experts per token.
+    """
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    return Routing(expert_ids.astype(jnp.int32), weights, probs, logits)
+
+
+def sigmoid_grouped(logits: jax.Array, top_k: int, num_groups: int, topk_groups: int,
+                    bias: jax.Array | None = None, routed_scaling: float = 1.0) -> Routing:
+    """DeepSeek-V3 routing: sigmoid scores, group-limited top-k.
+
+    Experts are split into `num_groups` contiguous groups; a group's score is
+    the sum of its two best (biased) expert scores; only the best
+    `topk_groups` groups are eligible. `bias` [E] shifts selection only; the
+    weights are the unbiased scores of the picks, renormalized and scaled.
+    """
+    logits = logits.astype(jnp.float32)
+    num_tokens, num_experts = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    select = scores if bias is None else scores + bias.astype(jnp.float32)
+    per_group = num_experts // num_groups
+    grouped = select.reshape(num_tokens, num_groups, per_group)
+    best = jax.lax.top_k(grouped, min(2, per_group))[0]
+    group_scores = jnp.sum(best, axis=-1)
+    _, keep_groups = jax.lax.top_k(group_scores, topk_groups)
+    group_mask = jnp.zeros((num_tokens, num_groups), bool)
+    group_mask = group_mask.at[jnp.arange(num_tokens)[:, None], keep_groups].set(True)
+    expert_mask = jnp.repeat(group_mask, per_group, axis=1)
+    masked = jnp.where(expert_mask, select, -jnp.inf)
+    _, expert_ids = jax.lax.top_k(masked, top_k)
+    picked = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    weights = picked / jnp.sum(picked, axis=-1, keepdims=True) * routed_scaling
+    return Routing(expert_ids.astype(jnp.int32), weights, scores, logits)
+
+
+def load_balancing_loss(routing: Routing, num_experts: int,
+                        axis_name: str | None = None) -> jax.Array:
+    """Switch/Mixtral auxiliary loss E * sum_e f_e * p_e (1.0 when balanced).
+
+    f_e is the fraction of (token, slot) picks that chose expert e and p_e the
+    mean router probability of e, both over all tokens of the `axis_name`
+    group when it is given (inside shard_map), else over the T local tokens.
+    """
+    counts = jnp.zeros((num_experts,), jnp.float32).at[routing.expert_ids.reshape(-1)].add(1.0)
+    prob_sum = jnp.sum(routing.probs, axis=0)
+    num_tokens = jnp.float32(routing.probs.shape[0])
+    if axis_name is not None:
+        counts = jax.lax.psum(counts, axis_name)
+        prob_sum = jax.lax.psum(prob_sum, axis_name)
+        num_tokens = jax.lax.psum(num_tokens, axis_name)
+    frac = counts / (num_tokens * routing.expert_ids.shape[1])
+    mean_prob = prob_sum / num_tokens
+    return num_experts * jnp.sum(frac * mean_prob)
+
+
+def router_z_loss(routing: Routing, axis_name: str | None = None) -> jax.Array:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+    z = jax.nn.logsumexp(routing.logits, axis=-1)
+    total = jnp.sum(z * z)
+    count = jnp.float32(z.shape[0])
+    if axis_name is not None:
+        total = jax.lax.psum(total, axis_name)
+        count = jax.lax.psum(count, axis_name)
+    return total / count
+
+
+def route(logits: jax.Array, config, bias: jax.Array | None = None) -> Routing:
+    """Routes with the router `config.router` names (see MoEConfig)."""
+    if config.router == "softmax":
+        return topk_softmax(logits, config.top_k)
+    return sigmoid_grouped(logits, config.top_k, config.num_groups, config.topk_groups,
+                           bias=bias, routed_scaling=config.routed_scaling)

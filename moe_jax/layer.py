@@ -1,0 +1,163 @@
+"""The MoE layer as a function: router + dispatch strategy + SwiGLU experts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moe_jax.config import MoEConfig
+from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
+from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
+from moe_jax.routing import load_balancing_loss, route, router_z_loss
+
+
+class MoEParams(NamedTuple):
+    """router: [H, E]; router_bias: [E] selection bias (sigmoid router) or
+    None; experts: stacked [E, ...] SwiGLU weights (sharded over the expert
+    axis under expert parallelism)."""
+
+    router: jax.Array
+    router_bias: jax.Array | None
+    experts: ExpertWeights
+
+
+class MoEAux(NamedTuple):
+    """load_balance_loss, router_z_loss: float32 scalars (unweighted);
+    stats: DispatchStats; delivered: rows each expert received (debug)."""
+
+    load_balance_loss: jax.Array
+    router_z_loss: jax.Array
+    stats: DispatchStats
+    delivered: Delivered | None = None
+
+    def weighted_loss(self, config: MoEConfig) -> jax.Array:
+        return (config.load_balance_coef * self.load_balance_loss
+                + config.router_z_coef * self.router_z_loss)
+
+
+def init_moe_params(key: jax.Array, config: MoEConfig) -> MoEParams:
+    """Random parameters in config.param_dtype (unsharded)."""
+    k_router, k_experts = jax.random.split(key)
+    hidden, num_experts = config.hidden_size, config.num_experts
+    router = (jax.random.normal(k_router, (hidden, num_experts)) * hidden ** -0.5)
+    bias = jnp.zeros((num_experts,), config.param_dtype) \
+        if config.router == "sigmoid_grouped" else None
+    experts = init_expert_weights(k_experts, num_experts, hidden, config.ffn_size,
+                                  config.param_dtype)
+    return MoEParams(router.astype(config.param_dtype), bias, experts)
+
+
+def _platform(mesh) -> str:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "cpu" if platform == "cpu" else "gpu"
+
+
+def _place(a: jax.Array, mesh, spec) -> jax.Array:
+    """Lays `a` out as `spec` over `mesh`, whatever the mesh's axis types."""
+    if _is_explicit(mesh):
+        return jax.sharding.reshard(a, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
+def _is_explicit(mesh) -> bool:
+    return mesh is not None and any(t == jax.sharding.AxisType.Explicit
+                                    for t in mesh.axis_types)
+
+
+def _flatten(x: jax.Array, mesh, axis: str | None) -> jax.Array:
+    """[..., H] -> [tokens, H], split over `axis` on explicit meshes."""
+    shape = (-1, x.shape[-1])
+    if _is_explicit(mesh) and x.ndim != 2:
+        spec = P(axis) if axis is not None else P()
+        return jax.lax.reshape(x, (x.size // x.shape[-1], x.shape[-1]),
+                               out_sharding=NamedSharding(mesh, spec))
+    return x.reshape(shape)
+
+
+def _unflatten(out: jax.Array, like: jax.Array, mesh=None, axis: str | None = None):
+    """[tokens, H] -> the shape of `like`, keeping an explicit mesh's types valid."""
+    if out.shape == like.shape:
+        return out
+    if not _is_explicit(mesh):
+        return out.reshape(like.shape)
+    spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
+    if spec is None or getattr(jax.typeof(like).sharding.mesh, "empty", True):
+        spec = P(axis) if axis is not None and like.shape[0] % mesh.shape[axis] == 0 else P()
+    return jax.lax.reshape(out, like.shape, out_sharding=NamedSharding(mesh, spec))
+
+
+def _expert_fn(experts: ExpertWeights, config: MoEConfig):
+    return lambda rows, group_sizes: swiglu_grouped(rows, group_sizes, experts, config.dtype)
+
+
+def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
+                        ctx: DispatchContext, return_delivered: bool):
+    logits = jnp.dot(tokens.astype(jnp.float32), params.router.astype(jnp.float32))
+    routing = route(logits, config, params.router_bias)
+    result = dispatch_combine(
+        tokens.astype(config.dtype), routing.expert_ids, routing.weights,
+        _expert_fn(params.experts, config), strategy=config.strategy, ctx=ctx,
+        experts_per_rank=params.experts.num_experts, capacity=config.capacity,
+        spill_capacity=config.spill_capacity, return_delivered=return_delivered)
+    aux = MoEAux(load_balancing_loss(routing, config.num_experts, ctx.axis_name),
+                 router_z_loss(routing, ctx.axis_name), result.stats, result.delivered)
+    return result.out, aux
+
+
+def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
+              mesh: jax.sharding.Mesh | None = None, *,
+              return_delivered: bool = False) -> tuple[jax.Array, MoEAux]:
+    """Applies the MoE layer to x.
+
+    Args:
+      params: MoEParams with E experts.
+      x: [..., H] activations; the flattened tokens are split evenly over the
+        ranks of `config.expert_axis` (their count must divide by P).
+      config: MoEConfig.
+      mesh: mesh holding `config.expert_axis` (not needed for "dense").
+      return_delivered: return the rows each expert received in aux.delivered.
+    Returns:
+      (y [..., H] in config.dtype, MoEAux). Jit-compatible: static shapes, no
+      host synchronization; graph-capturable when its custom calls are.
+    """
+    if x.shape[-1] != config.hidden_size:
+        raise ValueError(f"moe_layer: argument 'x' must end in hidden_size="
+                         f"{config.hidden_size}, got shape {list(x.shape)}")
+    if params.router.shape != (config.hidden_size, config.num_experts):
+        raise ValueError(f"moe_layer: argument 'params.router' must be "
+                         f"[{config.hidden_size}, {config.num_experts}], "
+                         f"got {list(params.router.shape)}")
+    tokens = _flatten(x, mesh, config.expert_axis if config.strategy != "dense" else None)
+    if config.strategy == "dense":
+        ctx = DispatchContext(None, 1, config.transport, config.kernel_impl, _platform(mesh))
+        out, aux = _route_and_dispatch(params, tokens, config, ctx, return_delivered)
+        return _unflatten(out, x, mesh), aux
+    axis = config.expert_axis
+    if mesh is None or axis not in mesh.axis_names:
+        raise ValueError(f"moe_layer: argument 'mesh' must have the expert axis {axis!r} "
+                         f"for strategy {config.strategy!r}, got "
+                         f"{None if mesh is None else mesh.axis_names}")
+    num_ranks = mesh.shape[axis]
+    config.experts_per_rank(num_ranks)
+    if tokens.shape[0] % num_ranks:
+        raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
+                         f"split evenly over the {num_ranks} ranks of axis {axis!r}")
+    ctx = DispatchContext(axis, num_ranks, config.transport, config.kernel_impl,
+                          _platform(mesh))
+    expert_spec = ExpertWeights(P(axis), P(axis), P(axis))
+    param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
+    delivered_spec = Delivered(P(axis), P(axis), P(axis)) if return_delivered else None
+    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * 6), delivered_spec)
+
+    def body(p, t):
+        return _route_and_dispatch(p, t, config, ctx, return_delivered)
+
+    shard = lambda spec, a: _place(a, mesh, spec)
+    params = jax.tree.map(shard, param_specs, params)
+    tokens = shard(P(axis), tokens)
+    out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis)),
+                             out_specs=(P(axis), aux_spec))(params, tokens)
+    return _unflatten(out, x, mesh, axis), aux

@@ -1,0 +1,11 @@
+// XLA FFI handlers of the CUDA platform (see docs/design/custom_calls.md).
+#ifndef MOE_JAX_CUDA_HANDLERS_CUDA_H_
+#define MOE_JAX_CUDA_HANDLERS_CUDA_H_
+
+#include "xla/ffi/api/api.h"
+
+// Registered as "moe_jax_pack" / "moe_jax_combine" for platform "CUDA".
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxPackCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxCombineCuda);
+
+#endif  // MOE_JAX_CUDA_HANDLERS_CUDA_H_

@@ -1,0 +1,1 @@
+"""Flax modules wrapping the MoE layer: `linen.MoE` and `nnx.MoE`."""

@@ -1,0 +1,132 @@
+"""Shared test helpers: random routings (adversarial ones too) and runners."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import moe_jax as mj
+from moe_jax.dispatch import DispatchContext, dispatch_combine
+
+ROUTINGS = ("random", "one_expert", "empty_rank", "one_rank", "zipf")
+
+
+def make_routing(rng: np.random.Generator, tokens: int, num_experts: int, top_k: int,
+                 kind: str, experts_per_rank: int) -> np.ndarray:
+    """[tokens, top_k] int32 distinct experts per token, of the given kind.
+
+    random: uniform; one_expert: every token picks expert 0 first;
+    empty_rank: nobody picks the last rank's experts; one_rank: every pick
+    lands on rank 0 when it can; zipf: popularity ~ 1/rank^1.2.
+    """
+    if kind == "random":
+        scores = rng.random((tokens, num_experts))
+    elif kind == "one_expert":
+        scores = rng.random((tokens, num_experts))
+        scores[:, 0] = 2.0
+    elif kind == "empty_rank":
+        scores = rng.random((tokens, num_experts))
+        if num_experts - experts_per_rank >= top_k:
+            scores[:, num_experts - experts_per_rank:] = -1.0
+    elif kind == "one_rank":
+        scores = rng.random((tokens, num_experts))
+        scores[:, :experts_per_rank] += 2.0
+    elif kind == "zipf":
+        popularity = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+        scores = np.log(rng.random((tokens, num_experts))) / popularity[rng.permutation(num_experts)]
+    else:
+        raise ValueError(kind)
+    return np.argsort(-scores, axis=1, kind="stable")[:, :top_k].astype(np.int32)
+
+
+def random_case(seed: int, ranks: int, tokens_per_rank: int, num_experts: int, top_k: int,
+                hidden: int, kind: str, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    total = ranks * tokens_per_rank
+    x = rng.standard_normal((total, hidden)).astype(np.float32)
+    ids = make_routing(rng, total, num_experts, top_k, kind, num_experts // ranks)
+    w = rng.random((total, top_k)).astype(np.float32) + 0.05
+    w /= w.sum(axis=1, keepdims=True)
+    return jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(w)
+
+
+def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32):
+    return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
+                     compute_dtype):
+    mesh = jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    ctx = DispatchContext("ep", ranks, transport, impl, "cpu")
+
+    def body(x, ids, w, wg, wu, wd):
+        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
+                               strategy=strategy, ctx=ctx, experts_per_rank=experts_per_rank,
+                               capacity=capacity, spill_capacity=spill, return_delivered=True)
+        return res.out, res.delivered.rows, res.delivered.valid, res.stats
+
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6,
+                               out_specs=(spec, spec, spec, mj.DispatchStats(*(P(),) * 6))))
+    return mesh, fn
+
+
+def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capacity=None,
+                 spill=None, impl="custom_call", transport="lax", compute_dtype=jnp.float32):
+    """Runs a strategy under shard_map over `ranks` CPU devices.
+
+    Returns (out [T, H], delivered rows [ranks, R, H], valid [ranks, R], stats).
+    """
+    num_experts = experts.w_gate.shape[0]
+    mesh, fn = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill, impl,
+                                transport, jnp.dtype(compute_dtype))
+    sharding = NamedSharding(mesh, P("ep"))
+    args = [jax.device_put(a, sharding) for a in (x, ids, w, *experts)]
+    out, rows, valid, stats = fn(*args)
+    rows = np.asarray(rows).reshape((ranks, -1) + rows.shape[1:])
+    return np.asarray(out), rows, np.asarray(valid).reshape(ranks, -1), jax.device_get(stats)
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_runner(num_experts, impl, compute_dtype):
+    ctx = DispatchContext(None, 1, "lax", impl, "cpu")
+
+    def run(x, ids, w, wg, wu, wd):
+        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
+                               strategy="dense", ctx=ctx, experts_per_rank=num_experts,
+                               return_delivered=True)
+        return res.out, res.delivered.rows, res.delivered.group_sizes
+
+    return jax.jit(run)
+
+
+def run_dense(x, ids, w, experts: mj.ExpertWeights, *, impl="reference",
+              compute_dtype=jnp.float32):
+    """The reference: (out [T, H], rows [T*k, H] expert-major, group sizes [E])."""
+    fn = _dense_runner(experts.w_gate.shape[0], impl, jnp.dtype(compute_dtype))
+    out, rows, sizes = fn(x, ids, w, *experts)
+    return np.asarray(out), np.asarray(rows), np.asarray(sizes)
+
+
+def expected_rank_rows(dense_rows, dense_sizes, ranks):
+    """Splits the dense expert-major rows into each rank's segment."""
+    bounds = np.concatenate([[0], np.cumsum(dense_sizes)])
+    per_rank = len(dense_sizes) // ranks
+    return [dense_rows[bounds[r * per_rank]:bounds[(r + 1) * per_rank]] for r in range(ranks)]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def rel_error(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

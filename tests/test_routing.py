@@ -1,0 +1,52 @@
+"""Routers and auxiliary losses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.routing import (load_balancing_loss, router_z_loss, sigmoid_grouped,
+                             topk_softmax)
+
+
+def test_topk_softmax_weights_and_ties():
+    logits = jnp.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    r = topk_softmax(logits, 2)
+    np.testing.assert_array_equal(np.asarray(r.expert_ids), [[1, 2], [0, 1]])
+    np.testing.assert_allclose(np.asarray(r.weights).sum(1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(r.weights)[1], [0.5, 0.5])
+
+
+def test_topk_softmax_matches_numpy():
+    logits = jax.random.normal(jax.random.key(0), (64, 8))
+    r = topk_softmax(logits, 2)
+    probs = np.exp(np.asarray(logits, np.float64))
+    probs /= probs.sum(1, keepdims=True)
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :2]
+    np.testing.assert_array_equal(np.asarray(r.expert_ids), ids)
+    top = np.take_along_axis(probs, ids, 1)
+    np.testing.assert_allclose(np.asarray(r.weights), top / top.sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_balanced_load_balancing_loss_is_one():
+    logits = jnp.zeros((8, 4)).at[jnp.arange(8), jnp.arange(8) % 4].set(5.0)
+    r = topk_softmax(logits, 1)
+    np.testing.assert_allclose(float(load_balancing_loss(r, 4)), 1.0, rtol=1e-5)
+    skewed = topk_softmax(jnp.zeros((8, 4)).at[:, 0].set(5.0), 1)
+    assert float(load_balancing_loss(skewed, 4)) > 3.0
+
+
+def test_router_z_loss():
+    logits = jax.random.normal(jax.random.key(1), (16, 8))
+    r = topk_softmax(logits, 2)
+    z = np.log(np.exp(np.asarray(logits, np.float64)).sum(1))
+    np.testing.assert_allclose(float(router_z_loss(r)), np.mean(z * z), rtol=1e-5)
+
+
+def test_sigmoid_grouped_picks_only_from_kept_groups():
+    logits = jax.random.normal(jax.random.key(2), (32, 16))
+    r = sigmoid_grouped(logits, top_k=4, num_groups=4, topk_groups=2)
+    groups = np.asarray(r.expert_ids) // 4
+    assert all(len(set(g)) <= 2 for g in groups)
+    ids = np.asarray(r.expert_ids)
+    assert all(len(set(row)) == 4 for row in ids)
+    np.testing.assert_allclose(np.asarray(r.weights).sum(1), 1.0, rtol=1e-5)

@@ -58,11 +58,22 @@ std::optional<ElemType> FloatType(ffi::DataType t) {
   }
 }
 
+ffi::Error Mismatch(std::string_view call, std::string_view kind,
+                    std::string_view name, const std::string& expected,
+                    const ffi::AnyBuffer& got) {
+  return ffi::Error::InvalidArgument(
+      std::string(call) + ": " + std::string(kind) + " `" + std::string(name) +
+      "` must be " + expected + ", got " + Describe(got));
+}
+
 ffi::Error Bad(std::string_view call, std::string_view operand,
                const std::string& expected, const ffi::AnyBuffer& got) {
-  return ffi::Error::InvalidArgument(std::string(call) + ": operand `" +
-                                     std::string(operand) + "` must be " +
-                                     expected + ", got " + Describe(got));
+  return Mismatch(call, "operand", operand, expected, got);
+}
+
+ffi::Error BadResult(std::string_view call, std::string_view result,
+                     const std::string& expected, const ffi::AnyBuffer& got) {
+  return Mismatch(call, "result", result, expected, got);
 }
 
 ffi::Error BadAttr(std::string_view call, std::string_view attr, int64_t value,
@@ -145,11 +156,11 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::AnyBuffer x,
   const std::string_view xt = DTypeName(x.element_type());
   if (cap_buf->element_type() != x.element_type() ||
       !HasDims(*cap_buf, {P, capacity, H})) {
-    return Bad(kPack, "cap_buf (result 0)", Shape(xt, {P, capacity, H}), *cap_buf);
+    return BadResult(kPack, "cap_buf", Shape(xt, {P, capacity, H}), *cap_buf);
   }
   if (spill_buf->element_type() != x.element_type() ||
       !HasDims(*spill_buf, {P, spill_capacity, H})) {
-    return Bad(kPack, "spill_buf (result 1)", Shape(xt, {P, spill_capacity, H}),
+    return BadResult(kPack, "spill_buf", Shape(xt, {P, spill_capacity, H}),
                *spill_buf);
   }
 
@@ -212,7 +223,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer cap_ret,
   }
   const std::optional<ElemType> out_type = FloatType(out->element_type());
   if (!out_type || !HasDims(*out, {T, H})) {
-    return Bad(kCombine, "out (result 0)",
+    return BadResult(kCombine, "out",
                "f32, bf16 or f16 of shape [" + std::to_string(T) + ", " +
                    std::to_string(H) + "]",
                *out);

@@ -19,10 +19,13 @@ rows that source rank ``i`` sends to destination rank ``j``; the self pair
 Generative model (:func:`generate_traces`, :class:`TraceModel`)
 -----------------------------------------------------------------
 * Tokens per rank at step ``s`` (the same on every rank and every layer of
-  the step): with probability ``1 - prefill_prob`` a decode-like step with
-  ``decode_base_tokens + Poisson(decode_extra_tokens_mean)`` tokens, else a
-  prefill-like step with ``Uniform{prefill_min_tokens .. prefill_max_tokens}``
-  tokens.  A fixed ``tokens_per_rank`` replaces this distribution.
+  the step): a fraction ``prefill_prob`` of the steps (their number fixed,
+  their positions random) are prefill-like steps with
+  ``Uniform{prefill_min_tokens .. prefill_max_tokens}`` tokens; the others
+  are decode-like steps with ``decode_base_tokens +
+  Poisson(decode_extra_tokens_mean)`` tokens.  A fixed ``tokens_per_rank``
+  (e.g. for benchmarks: T tokens per GPU, fresh routing every step)
+  replaces this distribution.
 * Expert popularity per (layer, step): biases ``b_e = skew * N(0, 1)``
   (i.i.d. over experts, fresh for every layer and step), i.e. lognormal
   popularity weights ``exp(b_e)``.  ``skew = 0`` is uniform routing.
@@ -37,6 +40,16 @@ Mixtral-8x7B EP8 statistics (E = 8, P = 8, top-2, 32 layers x 1000 steps,
 2,048,000 per-peer observations) are reproduced: per-peer count mean 5.1,
 sd 3.6, Q99 16, max 43, and 5.4% of (step, layer, source-rank) dispatch
 slices having some peer count above C = 16 (see ``MIXTRAL_8X7B_EP8_TARGETS``).
+With ``seed=0`` the generator gives mean 5.10, sd 3.59, Q99 16, max 43 and
+5.43% of slices above 16 (0.86% of counts, 12.3% of (layer, step)
+dispatches); over seeds 0-11, Q99 is always 16 and the max lies in 40-46.
+Why these parameters: the mean fixes the mean token count (5.1 * P / k =
+20.4 tokens per rank); a count can't exceed the rank's token count, so a
+max of 43 needs a few steps with more than 43 tokens (the prefill-like
+steps, capped at 48 tokens); ``skew`` then sets the overdispersion (sd 3.6
+against a binomial's 1.9 at T = 20) and, together with the prefill
+fraction, Q99 and the slice overflow rate.  Generating the default 32,000
+traces takes about 1.2 s (2-core machine).
 """
 
 from __future__ import annotations

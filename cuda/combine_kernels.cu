@@ -1,11 +1,12 @@
-// moe_jax_combine: one launch, a group of blockDim.x threads per token.
-//
-// The group first resolves the token's k slots (source row or absent, and
+// moe_jax_combine: one launch, a group of blockDim.x threads per token
+// (blockIdx.y splits H into spans when there are too few tokens to fill the
+// GPU). The group first resolves the token's k slots (source row or absent, and
 // weight) into shared memory, then its threads walk H in chunks of kVE
 // elements: for each chunk, acc = 0.0f and, in k order,
 // acc = fadd_rn(acc, fmul_rn(w, f32(y))) (or fadd_rn(acc, 0.0f) for an
 // absent slot), then out = cvt.rn(acc). Loads of kSlotBatch slots are issued
 // before their (ordered) accumulation to keep several loads in flight.
+#include <algorithm>
 #include <cstdint>
 
 #include "launch_shape.h"
@@ -45,19 +46,24 @@ __device__ __forceinline__ SlotRef ResolveSlot(const CombineArgs& a, int64_t t,
   return {row, w};
 }
 
+// Elements [begin, end) of a row: the share of H that one block covers.
+struct Span {
+  int64_t begin, end;
+};
+
 template <typename In, typename Out, int kVE>
 __device__ __forceinline__ void CombineToken(const CombineArgs& a, int64_t t,
-                                             const SlotRef* slots) {
+                                             const SlotRef* slots, Span span) {
   using SIn = typename In::Storage;
   using SOut = typename Out::Storage;
   using InFrag = Fragment<SIn, kVE * static_cast<int>(sizeof(SIn))>;
   using OutFrag = Fragment<SOut, kVE * static_cast<int>(sizeof(SOut))>;
 
-  const int64_t chunks = a.hidden / kVE;
   const int64_t k = a.top_k;
   SOut* out_row = static_cast<SOut*>(a.out) + t * a.hidden;
+  const int64_t end = span.end / kVE;  // span ends are multiples of kVE
 
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+  for (int64_t c = span.begin / kVE + threadIdx.x; c < end; c += blockDim.x) {
     float acc[kVE];
 #pragma unroll
     for (int e = 0; e < kVE; ++e) acc[e] = 0.0f;
@@ -101,7 +107,7 @@ __device__ __forceinline__ void CombineToken(const CombineArgs& a, int64_t t,
 // H % kVE == 0 keeps every row aligned like its buffer's base pointer.
 template <typename In, typename Out, int kVE>
 __device__ __forceinline__ void CombineTokenWidest(const CombineArgs& a, int64_t t,
-                                                   const SlotRef* slots,
+                                                   const SlotRef* slots, Span span,
                                                    uintptr_t align_in,
                                                    uintptr_t align_out) {
   if constexpr (kVE > 1) {
@@ -109,12 +115,12 @@ __device__ __forceinline__ void CombineTokenWidest(const CombineArgs& a, int64_t
     constexpr int kOut = kAccessBytes<kVE * static_cast<int>(sizeof(typename Out::Storage))>;
     if (a.hidden % kVE == 0 && (align_in & (kIn - 1)) == 0 &&
         (align_out & (kOut - 1)) == 0) {
-      CombineToken<In, Out, kVE>(a, t, slots);
+      CombineToken<In, Out, kVE>(a, t, slots, span);
     } else {
-      CombineTokenWidest<In, Out, kVE / 2>(a, t, slots, align_in, align_out);
+      CombineTokenWidest<In, Out, kVE / 2>(a, t, slots, span, align_in, align_out);
     }
   } else {
-    CombineToken<In, Out, 1>(a, t, slots);
+    CombineToken<In, Out, 1>(a, t, slots, span);
   }
 }
 
@@ -127,8 +133,11 @@ inline constexpr int kMaxChunkElems =
                               ? sizeof(typename In::Storage)
                               : sizeof(typename Out::Storage));
 
+// blockIdx.y picks a span of span_elems elements (a multiple of the widest
+// chunk) of H, so that few tokens still fill the GPU.
 template <typename In, typename Out>
-__global__ void __launch_bounds__(kBlockThreads) CombineKernel(CombineArgs a) {
+__global__ void __launch_bounds__(kBlockThreads)
+    CombineKernel(CombineArgs a, int64_t span_elems) {
   __shared__ SlotRef smem[kMaxRowsPerBlock][kSmemSlots];
   const bool use_smem = a.top_k <= kSmemSlots;  // uniform over the grid
   const uintptr_t align_in =
@@ -136,6 +145,9 @@ __global__ void __launch_bounds__(kBlockThreads) CombineKernel(CombineArgs a) {
       (a.num_ranks * a.spill_rows > 0 ? reinterpret_cast<uintptr_t>(a.spill_ret) : 0);
   const uintptr_t align_out = reinterpret_cast<uintptr_t>(a.out);
   SlotRef* my_slots = use_smem ? smem[threadIdx.y] : nullptr;
+  const int64_t span_begin = static_cast<int64_t>(blockIdx.y) * span_elems;
+  const Span span{span_begin, a.hidden - span_begin < span_elems ? a.hidden
+                                                               : span_begin + span_elems};
 
   // The loop bound is the same for the whole block, so the barriers are too.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y;
@@ -151,20 +163,35 @@ __global__ void __launch_bounds__(kBlockThreads) CombineKernel(CombineArgs a) {
       __syncthreads();
     }
     if (valid) {
-      CombineTokenWidest<In, Out, kMaxChunkElems<In, Out>>(a, t, my_slots,
+      CombineTokenWidest<In, Out, kMaxChunkElems<In, Out>>(a, t, my_slots, span,
                                                             align_in, align_out);
     }
     if (use_smem) __syncthreads();
   }
 }
 
+// Blocks wanted before a row is split over blockIdx.y: two waves of the
+// three 256-thread blocks an SM holds at this register use, on the 132 SMs of
+// an H100/H200.
+constexpr int64_t kTargetBlocks = 792;
+constexpr int64_t kMaxGridY = 65535;
+
 template <typename In, typename Out>
 cudaError_t Launch(const CombineArgs& a, cudaStream_t stream) {
   const int64_t ve = kMaxChunkElems<In, Out>;
-  const LaunchShape shape = ShapeFor(a.num_tokens, (a.hidden + ve - 1) / ve, 1);
-  CombineKernel<In, Out><<<shape.blocks,
-                           dim3(shape.threads_per_row, shape.rows_per_block), 0,
-                           stream>>>(a);
+  const int64_t chunks = (a.hidden + ve - 1) / ve;
+  const LaunchShape shape = ShapeFor(a.num_tokens, chunks, 1);
+  // Split H only as far as every thread still gets a chunk.
+  int64_t spans = 1;
+  if (shape.blocks < kTargetBlocks) {
+    spans = std::min({(kTargetBlocks + shape.blocks - 1) / shape.blocks,
+                      std::max<int64_t>(1, chunks / shape.threads_per_row), kMaxGridY});
+  }
+  const int64_t span_elems = (chunks + spans - 1) / spans * ve;
+  spans = (a.hidden + span_elems - 1) / span_elems;
+  const dim3 grid(shape.blocks, static_cast<unsigned>(spans));
+  CombineKernel<In, Out><<<grid, dim3(shape.threads_per_row, shape.rows_per_block),
+                           0, stream>>>(a, span_elems);
   return cudaGetLastError();
 }
 

@@ -2,7 +2,8 @@
 // minimal XLA_FFI_Api (error objects and the stream only): checks the
 // command-buffer trait, the operand/attribute binding, and that malformed
 // operands give INVALID_ARGUMENT naming the operand. The validation cases
-// need no GPU; with a GPU it also runs one pack and one combine end to end.
+// need no GPU; with a GPU it also runs one pack and one combine end to end,
+// recorded into a CUDA graph and then eagerly.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -308,7 +309,15 @@ void TestValidation() {
   }
 }
 
-#define CUDA_CHECK(expr) CHECK((expr) == cudaSuccess)
+#define CUDA_CHECK(expr)                                                   \
+  do {                                                                     \
+    cudaError_t err_ = (expr);                                             \
+    if (err_ != cudaSuccess) {                                             \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__,   \
+                   #expr, cudaGetErrorString(err_));                       \
+      std::exit(1);                                                        \
+    }                                                                      \
+  } while (0)
 
 template <typename T>
 void* ToDevice(const std::vector<T>& v) {
@@ -327,10 +336,28 @@ std::vector<T> FromDevice(void* p, size_t n) {
   return v;
 }
 
+// Runs `call` on g_stream, or records it into a CUDA graph (as XLA's command
+// buffers do) and replays that.
+XLA_FFI_Error* RunMaybeCaptured(Call& call, XLA_FFI_Handler* handler, bool capture) {
+  if (!capture) return call.Run(handler);
+  CUDA_CHECK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
+  XLA_FFI_Error* err = call.Run(handler);
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamEndCapture(g_stream, &graph));
+  if (err != nullptr) return err;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, g_stream));
+  CUDA_CHECK(cudaStreamSynchronize(g_stream));
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return nullptr;
+}
+
 // T=3 tokens, k=2, P=2 ranks with one expert each, H=4 f32.
 // Slot experts: n0->1 n1->0 n2->0 n3->1 n4->1 n5->0.
 // sorted_slots = [1, 2, 5, 0, 3, 4]; offsets [0, 3]; counts [3, 3].
-void TestEndToEnd() {
+void TestEndToEnd(bool capture) {
   const int64_t T = 3, k = 2, P = 2, H = 4;
   std::vector<float> x(T * H);
   for (int64_t i = 0; i < T * H; ++i) x[i] = static_cast<float>(i + 1);
@@ -350,7 +377,7 @@ void TestEndToEnd() {
   pack.rets[0].data = dcap;
   pack.rets[1].data = dspill;
   pack.attrs[1].value = start;
-  XLA_FFI_Error* err = pack.Run(MoeJaxPackCuda);
+  XLA_FFI_Error* err = RunMaybeCaptured(pack, MoeJaxPackCuda, capture);
   if (err) std::fprintf(stderr, "pack: %s\n", err->message.c_str());
   CHECK(err == nullptr);
   CUDA_CHECK(cudaStreamSynchronize(g_stream));
@@ -383,7 +410,7 @@ void TestEndToEnd() {
   comb.args[3].data = dpos;
   comb.args[4].data = dw;
   comb.rets[0].data = dout;
-  err = comb.Run(MoeJaxCombineCuda);
+  err = RunMaybeCaptured(comb, MoeJaxCombineCuda, capture);
   if (err) std::fprintf(stderr, "combine: %s\n", err->message.c_str());
   CHECK(err == nullptr);
   CUDA_CHECK(cudaStreamSynchronize(g_stream));
@@ -413,7 +440,9 @@ int main() {
                 err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
   } else {
     CUDA_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
-    TestEndToEnd();
+    // Captured first, so the kernels' lazy loading happens during capture.
+    TestEndToEnd(/*capture=*/true);
+    TestEndToEnd(/*capture=*/false);
     CUDA_CHECK(cudaStreamDestroy(g_stream));
   }
   std::printf("handlers_cuda_test: %d passed, 0 failed\n", g_passed);

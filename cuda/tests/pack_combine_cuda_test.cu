@@ -446,6 +446,8 @@ int main() {
       count(RunCombine(rng, {in, out, 17, 7168, 6, 4, 2, 3, 20, 6}, true, stream));
       count(RunCombine(rng, {in, out, 9, 64, 40, 4, 2, 1, 60, 50}, false, stream));  // k > 32
       count(RunCombine(rng, {in, out, 5, 5, 3, 2, 1, 0, 3, 2}, true, stream));
+      count(RunCombine(rng, {in, out, 3, 4099, 2, 2, 1, 0, 3, 3}, false, stream));  // H split in spans
+      count(RunCombine(rng, {in, out, 1, 8192, 8, 4, 2, 0, 2, 1}, true, stream));
     }
   }
   // Random combine cases.
@@ -454,7 +456,7 @@ int main() {
     c.in = types[rng() % 3];
     c.out = types[rng() % 3];
     c.T = Pick(rng, {1, 2, 7, 31, 64, 150});
-    c.H = Pick(rng, {1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 64, 130, 1000, 1024, 2056});
+    c.H = Pick(rng, {1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 64, 130, 1000, 1024, 2056, 4100, 8192});
     c.k = Pick(rng, {1, 2, 3, 4, 6, 8});
     c.P = Pick(rng, {1, 2, 3, 4, 8});
     c.e_local = Pick(rng, {1, 2, 4});

@@ -74,12 +74,13 @@ std::string GlobalError(const std::vector<const AllToAllArgs*>& all) {
 }
 
 // Copies the rows addressed to this rank and zeros the rows nobody writes.
-// Sources are copied in increasing rank order.
+// Sources are copied in decreasing rank order, so where the windows of two
+// sources overlap the lower source's row wins (as in moe_jax/refs.py).
 void CopyRows(const AllToAllArgs& me, const std::vector<const AllToAllArgs*>& all) {
   const size_t rb = static_cast<size_t>(me.row_bytes);
   char* recv = static_cast<char*>(me.recv);
   std::vector<std::pair<int64_t, int64_t>> written;  // [begin, end) rows
-  for (size_t src = 0; src < all.size(); ++src) {
+  for (size_t src = all.size(); src-- > 0;) {
     const AllToAllArgs& s = *all[src];
     const int64_t n = s.send_sizes[me.rank];
     me.recv_sizes[src] = static_cast<int32_t>(n);

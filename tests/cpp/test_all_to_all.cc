@@ -2,6 +2,7 @@
 // sizes (zero-size pieces included), loops under one run id, interleaved
 // channels, concurrent run ids, and failures that reach every rank (timeout,
 // sizes out of range, rank out of range, mismatched rows) without a hang.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -366,6 +367,28 @@ void TestTimeout() {
   CHECK_CONTAINS(err, "arrived ranks [1], missing ranks [0, 2, 3]");
 }
 
+// Overlapping receive windows (outside the spec): the lowest source wins,
+// as in the pure-JAX reference.
+void TestOverlappingWindows() {
+  std::mt19937 rng(29);
+  Rendezvous rv;
+  auto ranks = MakeExchange(3, rng, 0, /*zero_prob=*/0.0);
+  RankData& d = ranks[1];
+  for (int32_t src = 0; src < 3; ++src) d.recv_offsets[src] = 0;
+  d.recv_rows = 4;
+  d.recv.assign(d.recv_rows * d.row_elems, 0);
+  Exchange(rv, {1100, 1, 0}, ranks);
+  CHECK_EQ(d.error, std::string());
+  std::vector<int32_t> expected(d.recv_rows * d.row_elems, 0);
+  for (int32_t src = 2; src >= 0; --src) {
+    const RankData& s = ranks[src];
+    const int64_t n = s.send_sizes[1] * d.row_elems;
+    std::copy(s.send.begin() + s.send_offsets[1] * s.row_elems,
+              s.send.begin() + s.send_offsets[1] * s.row_elems + n, expected.begin());
+  }
+  CHECK(d.recv == expected);
+}
+
 // Sequence counters are kept only for recent run ids; meetings are dropped
 // once all ranks left.
 void TestBoundedState() {
@@ -441,6 +464,7 @@ int main() {
   TestConcurrentRuns();
   TestErrorsReachEveryRank();
   TestTimeout();
+  TestOverlappingWindows();
   TestBoundedState();
   TestGroupCollision();
   TestTimeoutFromEnv();

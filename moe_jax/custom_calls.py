@@ -67,6 +67,31 @@ def _require_handlers(target: str, platform: str | None) -> None:
             "use kernel_impl='reference'.")
 
 
+def _varying_axes(*arrays) -> frozenset:
+    """Manual mesh axes (inside shard_map) any of the arrays varies over."""
+    axes = frozenset()
+    for a in arrays:
+        mat = getattr(jax.typeof(a), "mat", None)
+        if mat is not None:
+            axes |= mat.varying
+    return axes
+
+
+def _as_varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _call_ffi(target: str, out_types, operands, attrs, extra_axes=(), **options):
+    """ffi_call with operands and results typed as varying over the same
+    manual axes (ffi_call itself demands equal input types inside shard_map
+    and returns results that vary over nothing)."""
+    axes = _varying_axes(*operands) | frozenset(extra_axes)
+    operands = [_as_varying(o, axes) for o in operands]
+    results = jax.ffi.ffi_call(target, out_types, **options)(*operands, **attrs)
+    return jax.tree.map(lambda r: _as_varying(r, axes), results)
+
+
 def _check(cond: bool, target: str, operand: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{target}: operand '{operand}' {message}")
@@ -112,9 +137,8 @@ def pack(x, sorted_slots, send_offsets, send_counts, *, top_k: int, start: int,
     hidden = x.shape[1]
     out_types = (jax.ShapeDtypeStruct((num_ranks, capacity, hidden), x.dtype),
                  jax.ShapeDtypeStruct((num_ranks, spill_capacity, hidden), x.dtype))
-    call = jax.ffi.ffi_call(PACK, out_types, vmap_method="sequential")
-    return call(x, sorted_slots, send_offsets, send_counts,
-                **{k: np.int64(v) for k, v in kwargs.items()})
+    return _call_ffi(PACK, out_types, (x, sorted_slots, send_offsets, send_counts),
+                     {k: np.int64(v) for k, v in kwargs.items()}, vmap_method="sequential")
 
 
 def combine(cap_ret, spill_ret, dest, pos, weights, *, start: int, out_dtype,
@@ -154,8 +178,8 @@ def combine(cap_ret, spill_ret, dest, pos, weights, *, start: int, out_dtype,
                             out_dtype=out_dtype)
     _require_handlers(COMBINE, platform)
     out_type = jax.ShapeDtypeStruct((weights.shape[0], hidden), out_dtype)
-    call = jax.ffi.ffi_call(COMBINE, out_type, vmap_method="sequential")
-    return call(cap_ret, spill_ret, dest, pos, weights, start=np.int64(start))
+    return _call_ffi(COMBINE, out_type, (cap_ret, spill_ret, dest, pos, weights),
+                     dict(start=np.int64(start)), vmap_method="sequential")
 
 
 _channel_ids = itertools.count(1)
@@ -201,9 +225,9 @@ def ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, *, recv_rows
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
     out_types = (jax.ShapeDtypeStruct((recv_rows,) + send.shape[1:], send.dtype),
                  jax.ShapeDtypeStruct((num_ranks,), jnp.int32))
-    call = jax.ffi.ffi_call(ALL_TO_ALL, out_types, has_side_effect=True)
-    return call(send, send_offsets, send_sizes, recv_offsets, rank,
-                channel_id=np.int64(next(_channel_ids)), group_key=np.int64(0))
+    attrs = dict(channel_id=np.int64(next(_channel_ids)), group_key=np.int64(0))
+    return _call_ffi(ALL_TO_ALL, out_types, (send, send_offsets, send_sizes, recv_offsets, rank),
+                     attrs, extra_axes=(axis_name,), has_side_effect=True)
 
 
 def all_to_all(x, *, axis_name: str, impl: str = "custom_call"):

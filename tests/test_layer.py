@@ -56,23 +56,30 @@ def test_cap_and_spill_hlo_has_no_host_transfer_or_callback():
     x = jnp.ones((64, CONFIG.hidden_size), jnp.float32)
     text = jax.jit(lambda p, x: moe_layer(p, x, CONFIG, _mesh(8))[0]).lower(
         params, x).compile().as_text()
-    assert "moe_jax_pack" in text and "moe_jax_combine" in text
-    for pattern in (r"is_host_transfer=true", r"\binfeed\b", r"\boutfeed\b", r"callback",
-                    r"\bsend\(", r"\brecv\(", r"host_compute"):
-        assert not re.search(pattern, text), f"compiled cap_and_spill contains {pattern!r}"
+    instructions = [line for line in text.splitlines() if re.match(r"\s*(ROOT )?%\S+ = ", line)]
+    assert instructions
+    opcodes = {re.search(r"= \S+ (\S+?)\(", line).group(1) for line in instructions
+               if re.search(r"= \S+ (\S+?)\(", line)}
+    targets = {m.group(1) for line in instructions
+               for m in [re.search(r'custom_call_target="([^"]+)"', line)] if m}
+    assert {"moe_jax_pack", "moe_jax_combine"} <= targets
+    assert not [t for t in targets if "callback" in t.lower()], targets
+    for op in ("send", "recv", "send-done", "recv-done", "infeed", "outfeed"):
+        assert op not in opcodes, f"compiled cap_and_spill has a {op} instruction"
+    assert not any("is_host_transfer=true" in line for line in instructions)
 
 
 def test_linen_module_matches_function():
     mesh = _mesh(4)
     module = moe_linen.MoE(CONFIG, mesh)
     x = jax.random.normal(jax.random.key(3), (4, 8, CONFIG.hidden_size))
-    variables = module.init(jax.random.key(0), x)
+    variables = jax.jit(module.init)(jax.random.key(0), x)
     y, state = jax.jit(lambda v, x: module.apply(v, x, mutable=["moe_stats", "losses"]))(
         variables, x)
     p = variables["params"]
     params = mj.layer.MoEParams(p["router"], None, mj.ExpertWeights(
         p["w_gate"].unbox(), p["w_up"].unbox(), p["w_down"].unbox()))
-    expected, aux = moe_layer(params, x, CONFIG, mesh)
+    expected, _ = jax.jit(lambda p, x: moe_layer(p, x, CONFIG, mesh))(params, x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
     assert int(state["moe_stats"]["calls"]) == 1
     assert int(state["moe_stats"]["dispatch"].rows) == 4 * 8 * CONFIG.top_k
@@ -87,7 +94,7 @@ def test_nnx_module_counts_calls_and_stats():
     y2 = step(model, x)
     np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y2, np.float32))
     assert int(model.calls[...]) == 2
-    assert int(model.stats.value.rows) == 2 * 32 * CONFIG.top_k
+    assert int(model.stats.get_value().rows) == 2 * 32 * CONFIG.top_k
     assert rel_error(y1.astype(jnp.float32), _reference(model.params(), x)) < 2e-2
 
 

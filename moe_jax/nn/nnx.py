@@ -61,6 +61,6 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y, aux = moe_layer(self.params(), x, self.config, self.mesh)
         self.aux_loss[...] = aux.weighted_loss(self.config)
-        self.stats.value = self.stats.value + aux.stats
+        self.stats.set_value(self.stats.get_value() + aux.stats)
         self.calls[...] = self.calls[...] + 1
         return y

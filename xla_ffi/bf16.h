@@ -16,13 +16,13 @@ inline float Bf16ToF32(uint16_t h) {
 }
 
 // Round to nearest, ties to even. Overflow rounds to +-inf, -0.0 stays -0.0.
-// A NaN stays a NaN: sign and the top payload bits are kept and the quiet bit
-// is set (so a payload living only in the dropped bits cannot become inf).
+// A NaN becomes the quiet NaN of its sign (0x7fc0 / 0xffc0), as XLA:CPU's
+// and ml_dtypes' float32 -> bfloat16 conversions do.
 inline uint16_t F32ToBf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
   if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+    return static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7fc0u);
   }
   const uint32_t lsb = (bits >> 16) & 1u;
   return static_cast<uint16_t>((bits + 0x7fffu + lsb) >> 16);

@@ -19,6 +19,7 @@ from moe_jax import refs
 PACK = "moe_jax_pack"
 COMBINE = "moe_jax_combine"
 ALL_TO_ALL = "moe_jax_all_to_all"
+NCCL_ALL_TO_ALL = "moe_jax_nccl_all_to_all"
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -239,6 +240,44 @@ def all_to_all(x, *, axis_name: str, impl: str = "custom_call"):
     recv, _ = ragged_all_to_all(flat, offsets, sizes, offsets, recv_rows=num_ranks * capacity,
                                 axis_name=axis_name, impl=impl)
     return recv.reshape(x.shape)
+
+
+def replica_groups(axis_name: str) -> np.ndarray:
+    """Device groups along `axis_name` of the current (shard_map) mesh.
+
+    Returns [G, P] int64 flattened device ids (positions in the mesh's device
+    order, which are XLA's partition ids), each row ordered by the axis index.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()))
+    _check(axis_name in names, NCCL_ALL_TO_ALL, "axis_name",
+           f"{axis_name!r} is not an axis of the current mesh {names}")
+    shape = tuple(mesh.shape[n] for n in names)
+    ids = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    axis = names.index(axis_name)
+    return np.moveaxis(ids, axis, -1).reshape(-1, shape[axis])
+
+
+def nccl_all_to_all(*buffers, axis_name: str):
+    """Dense all-to-all of several [P, C_i, ...] buffers in one NCCL group.
+
+    Call inside `jax.shard_map` on GPUs: result_i[src] = buffers_i@src[rank].
+    Uses XLA's own NCCL communicator (FFI collectives extension), so it runs
+    in one process or under jax.distributed alike, and it can be captured
+    into a CUDA graph. All buffers share one NCCL group: one latency.
+    """
+    _check(len(buffers) >= 1, NCCL_ALL_TO_ALL, "buffers", "needs at least one buffer")
+    groups = replica_groups(axis_name)
+    for i, b in enumerate(buffers):
+        _check(b.ndim >= 2 and b.shape[0] == groups.shape[1], NCCL_ALL_TO_ALL,
+               f"buffers[{i}]", f"must be [P={groups.shape[1]}, C, ...], got {list(b.shape)}")
+    _require_handlers(NCCL_ALL_TO_ALL, "gpu")
+    out_types = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers)
+    attrs = dict(replica_groups=groups.reshape(-1), group_size=np.int64(groups.shape[1]),
+                 communication_id=np.int64(0))
+    results = _call_ffi(NCCL_ALL_TO_ALL, out_types, buffers, attrs, extra_axes=(axis_name,),
+                        has_side_effect=True)
+    return tuple(results)
 
 
 register()

@@ -16,7 +16,8 @@ class DispatchContext:
 
     axis_name: the expert mesh axis (None when there is one rank).
     num_ranks: P, ranks along axis_name.
-    transport: "lax" (XLA collectives) or "custom_call" (moe_jax's own).
+    transport: "lax" (XLA collectives) or "custom_call" (moe_jax's own:
+      the in-process all-to-all on CPU, NCCL on XLA's communicator on GPU).
     kernel_impl: "custom_call" or "reference" for pack / combine.
     platform: "cpu" or "gpu" (the platform the program is compiled for).
     """
@@ -32,22 +33,37 @@ class DispatchContext:
         if self.axis_name is None or self.num_ranks == 1:
             return x
         if self.transport == "custom_call":
+            if self.platform != "cpu":
+                return custom_calls.nccl_all_to_all(x, axis_name=self.axis_name)[0]
             return custom_calls.all_to_all(x, axis_name=self.axis_name)
         return jax.lax.all_to_all(x, self.axis_name, 0, 0, tiled=False)
+
+    def all_to_all_many(self, buffers: list[jax.Array]) -> list[jax.Array]:
+        """all_to_all of several [P, C_i, ...] buffers; on GPU with transport
+        "custom_call", one NCCL group carries them all (one latency)."""
+        if self.axis_name is None or self.num_ranks == 1:
+            return list(buffers)
+        if self.transport == "custom_call" and self.platform != "cpu":
+            live = [b for b in buffers if b.size]
+            moved = iter(custom_calls.nccl_all_to_all(*live, axis_name=self.axis_name)) \
+                if live else iter(())
+            return [next(moved) if b.size else b for b in buffers]
+        return [self.all_to_all(b) for b in buffers]
 
     def ragged_all_to_all(self, send, send_offsets, send_sizes, recv_offsets, recv_rows):
         """Moves only real rows; see custom_calls.ragged_all_to_all.
 
         recv_offsets are this rank's own (where rows from each source land).
-        Uses lax.ragged_all_to_all on GPU with transport "lax", and the CPU
-        custom call otherwise (XLA:CPU does not implement the former).
+        Uses lax.ragged_all_to_all on GPU (whatever the transport: moving
+        exact sizes with NCCL would need the counts on the host), and on CPU
+        the custom call (XLA:CPU does not implement lax.ragged_all_to_all).
         """
         if self.axis_name is None or self.num_ranks == 1:
             out = jnp.zeros((recv_rows,) + send.shape[1:], send.dtype)
             rows = min(recv_rows, send.shape[0])
             mask = (jnp.arange(rows) < send_sizes[0]).reshape((rows,) + (1,) * (send.ndim - 1))
             return out.at[:rows].set(jnp.where(mask, send[:rows], 0)), send_sizes
-        if self.transport == "lax" and self.platform != "cpu":
+        if self.platform != "cpu":
             # Each sender must name where its rows land on every receiver.
             output_offsets = jax.lax.all_to_all(recv_offsets, self.axis_name, 0, 0, tiled=True)
             recv_sizes = jax.lax.all_to_all(send_sizes, self.axis_name, 0, 0, tiled=True)

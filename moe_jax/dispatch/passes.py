@@ -104,9 +104,7 @@ def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
     cap_buf, spill_buf = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
                                   top_k=plan.top_k, start=start, capacity=capacity,
                                   spill_capacity=spill_capacity)
-    received = [ctx.all_to_all(cap_buf)]
-    if spill_capacity:
-        received.append(ctx.all_to_all(spill_buf))
+    received = ctx.all_to_all_many([cap_buf, spill_buf] if spill_capacity else [cap_buf])
     rows = received[0] if len(received) == 1 else jnp.concatenate(received, axis=1)
     width = capacity + spill_capacity
     src = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), width)
@@ -114,8 +112,11 @@ def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
     local, canonical = locate_rows(src, q, recv_expert_counts)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
     out_rows = run_experts(flat, local, num_local, expert_fn).reshape(rows.shape)
-    cap_ret = ctx.all_to_all(out_rows[:, :capacity])
-    spill_ret = ctx.all_to_all(out_rows[:, capacity:]) if spill_capacity else spill_buf
+    if spill_capacity:
+        cap_ret, spill_ret = ctx.all_to_all_many([out_rows[:, :capacity],
+                                                  out_rows[:, capacity:]])
+    else:
+        (cap_ret,), spill_ret = ctx.all_to_all_many([out_rows]), spill_buf
     partial = ctx.combine(cap_ret, spill_ret, plan.dest, plan.pos, weights, start=start,
                           out_dtype=jnp.float32)
     delivered = None

@@ -58,12 +58,17 @@ def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32):
     return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype)
 
 
+def mesh_of(ranks: int, backend: str = "cpu") -> jax.sharding.Mesh:
+    """A 1-D mesh "ep" over the first `ranks` devices of `backend`."""
+    return jax.make_mesh((ranks,), ("ep",), devices=jax.devices(backend)[:ranks],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 @functools.lru_cache(maxsize=None)
 def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
-                     compute_dtype):
-    mesh = jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    ctx = DispatchContext("ep", ranks, transport, impl, "cpu")
+                     compute_dtype, backend):
+    mesh = mesh_of(ranks, backend)
+    ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu")
 
     def body(x, ids, w, wg, wu, wd):
         res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
@@ -78,14 +83,15 @@ def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, t
 
 
 def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capacity=None,
-                 spill=None, impl="custom_call", transport="lax", compute_dtype=jnp.float32):
+                 spill=None, impl="custom_call", transport="lax", compute_dtype=jnp.float32,
+                 backend="cpu"):
     """Runs a strategy under shard_map over `ranks` CPU devices.
 
     Returns (out [T, H], delivered rows [ranks, R, H], valid [ranks, R], stats).
     """
     num_experts = experts.w_gate.shape[0]
     mesh, fn = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill, impl,
-                                transport, jnp.dtype(compute_dtype))
+                                transport, jnp.dtype(compute_dtype), backend)
     sharding = NamedSharding(mesh, P("ep"))
     args = [jax.device_put(a, sharding) for a in (x, ids, w, *experts)]
     out, rows, valid, stats = fn(*args)
@@ -95,6 +101,7 @@ def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capac
 
 @functools.lru_cache(maxsize=None)
 def _dense_runner(num_experts, impl, compute_dtype):
+    """The reference runs on CPU whatever the host has."""
     ctx = DispatchContext(None, 1, "lax", impl, "cpu")
 
     def run(x, ids, w, wg, wu, wd):
@@ -110,7 +117,8 @@ def run_dense(x, ids, w, experts: mj.ExpertWeights, *, impl="reference",
               compute_dtype=jnp.float32):
     """The reference: (out [T, H], rows [T*k, H] expert-major, group sizes [E])."""
     fn = _dense_runner(experts.w_gate.shape[0], impl, jnp.dtype(compute_dtype))
-    out, rows, sizes = fn(x, ids, w, *experts)
+    cpu = jax.devices("cpu")[0]
+    out, rows, sizes = fn(*jax.device_put((x, ids, w, *experts), cpu))
     return np.asarray(out), np.asarray(rows), np.asarray(sizes)
 
 

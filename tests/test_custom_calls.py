@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_jax import custom_calls
 from moe_jax.plan import make_plan
-from moe_testing import ROUTINGS, bits, make_routing
+from moe_testing import ROUTINGS, bits, make_routing, mesh_of
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -56,8 +56,7 @@ def test_combine_equals_reference(tokens, ranks, top_k, kind, capacity, spill, s
 
 
 def _mesh(ranks):
-    return jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return mesh_of(ranks, "cpu")
 
 
 @given(st.sampled_from([2, 4, 8]), st.integers(0, 2**31 - 1), st.sampled_from(DTYPES + [jnp.int32]))

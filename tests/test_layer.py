@@ -11,15 +11,14 @@ from flax import nnx
 import moe_jax as mj
 from moe_jax.layer import init_moe_params, moe_layer
 from moe_jax.nn import linen as moe_linen, nnx as moe_nnx
-from moe_testing import rel_error
+from moe_testing import mesh_of, rel_error
 
 CONFIG = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=2,
                       strategy="cap_and_spill", capacity=2, spill_capacity=1)
 
 
 def _mesh(ranks):
-    return jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return mesh_of(ranks, "cpu")
 
 
 def _reference(params, x):

@@ -1,8 +1,15 @@
 // moe_jax._ffi_cuda: hands the CUDA FFI handlers to Python for
-// jax.ffi.register_ffi_target(name, capsule, platform="CUDA").
+// jax.ffi.register_ffi_target(name, value, platform="CUDA"), where value is a
+// handler capsule or, for multi-stage handlers, {stage name: capsule}.
 #include <nanobind/nanobind.h>
 
 #include "handlers_cuda.h"
+#ifdef MOE_JAX_WITH_NCCL
+#include <nanobind/stl/string.h>
+
+#include "nccl_all_to_all.h"
+#include "nccl_loader.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -14,7 +21,35 @@ NB_MODULE(_ffi_cuda, m) {
         d["moe_jax_pack"] = nb::capsule(reinterpret_cast<void*>(MoeJaxPackCuda));
         d["moe_jax_combine"] =
             nb::capsule(reinterpret_cast<void*>(MoeJaxCombineCuda));
+#ifdef MOE_JAX_WITH_NCCL
+        nb::dict stages;
+        stages["prepare"] =
+            nb::capsule(reinterpret_cast<void*>(MoeJaxNcclAllToAllPrepare));
+        stages["execute"] =
+            nb::capsule(reinterpret_cast<void*>(MoeJaxNcclAllToAllExecute));
+        d["moe_jax_nccl_all_to_all"] = stages;
+#endif
         return d;
       },
-      "FFI target name -> handler capsule, for platform \"CUDA\".");
+      "FFI target name -> handler capsule (or {stage: capsule}), for platform "
+      "\"CUDA\".");
+
+#ifdef MOE_JAX_WITH_NCCL
+  m.attr("with_nccl") = true;
+  m.def(
+      "nccl_info",
+      []() -> nb::object {
+        const moe_jax::cuda::NcclApi* nccl = moe_jax::cuda::LoadedNccl();
+        if (nccl == nullptr) return nb::none();
+        nb::dict d;
+        d["library"] = nccl->library;
+        d["version"] = nccl->version;
+        d["already_loaded"] = nccl->already_loaded;
+        return d;
+      },
+      "The NCCL that moe_jax_nccl_all_to_all resolved ({library, version, "
+      "already_loaded}), or None before its first execution. Loads nothing.");
+#else
+  m.attr("with_nccl") = false;
+#endif
 }

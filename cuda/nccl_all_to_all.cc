@@ -1,0 +1,367 @@
+// moe_jax_nccl_all_to_all on CUDA: an all-to-all of n >= 1 buffers through
+// XLA's own NCCL communicator, obtained from the FFI collectives extension.
+//
+//   operands  x_0..x_{n-1}: [P, C_i, ...] any dtype (byte-sized elements)
+//   results   y_0..y_{n-1}: same shapes and dtypes
+//   attrs     replica_groups: i64[G * P], the groups flattened (flattened-id
+//             mode: with one replica the ids are partition ids), all of size
+//             group_size = P; communication_id: i64 (XLA's clique key salt)
+//
+//   y_i[src] = x_i@src[me] for every buffer i and group rank src, where a rank
+//   is a position in the caller's replica group (NCCL rank of XLA's clique).
+//
+// Prepare stage: validates the groups and requests the clique. Execute stage:
+// gets the communicator and issues, for every non-empty buffer, one ncclSend
+// and one ncclRecv per rank (the self block included: NCCL copies it inside
+// the same fused kernel), all in ONE ncclGroupStart/ncclGroupEnd on XLA's
+// stream. No allocation on the device, no synchronization, no host reads of
+// device data: the execute stage is command-buffer compatible (NCCL supports
+// stream capture).
+#include "nccl_all_to_all.h"
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <sched.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "collectives_ext.h"
+#include "nccl_loader.h"
+#include "xla/ffi/api/collectives_api.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_jax::cuda {
+namespace {
+
+constexpr std::string_view kName = "moe_jax_nccl_all_to_all";
+
+std::string Prefixed(std::string_view what) {
+  return std::string(kName) + ": " + std::string(what);
+}
+
+//===----------------------------------------------------------------------===//
+// Replica groups: validated once per distinct attribute value, then cached.
+//===----------------------------------------------------------------------===//
+
+// One distinct (replica_groups, group_size) value, in the C layout that the
+// collectives extension takes. Never freed (a process sees few distinct
+// values: one per compiled collective configuration).
+struct GroupSet {
+  int64_t group_size = 0;
+  std::vector<int64_t> ids;                 // the attribute, flattened
+  std::vector<XLA_FFI_ReplicaGroup> raw;    // views into `ids`
+
+  bool Matches(ffi::Span<const int64_t> flat, int64_t size) const {
+    return group_size == size && ids.size() == flat.size() &&
+           (flat.size() == 0 ||
+            std::memcmp(ids.data(), flat.begin(),
+                        flat.size() * sizeof(int64_t)) == 0);
+  }
+};
+
+ffi::Error ValidateGroups(ffi::Span<const int64_t> flat, int64_t group_size) {
+  if (group_size < 1 || group_size > INT_MAX) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attribute `group_size` must be in [1, 2^31), got " +
+        std::to_string(group_size)));
+  }
+  const size_t n = flat.size();
+  if (n == 0 || n % static_cast<size_t>(group_size) != 0) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attribute `replica_groups` must hold G >= 1 groups of group_size = " +
+        std::to_string(group_size) + " ids, flattened; got " +
+        std::to_string(n) + " ids"));
+  }
+  std::vector<int64_t> sorted(flat.begin(), flat.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.front() < 0) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attribute `replica_groups` holds a negative id " +
+        std::to_string(sorted.front())));
+  }
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attribute `replica_groups` names id " + std::to_string(*dup) +
+        " more than once"));
+  }
+  return ffi::Error::Success();
+}
+
+// The cached GroupSet equal to the attribute. The fast path (same value as
+// this thread's previous call) takes no lock and does no heap work; a miss
+// locks a mutex and searches the (short) list; a new value is validated and
+// added once.
+ffi::ErrorOr<const GroupSet*> Groups(ffi::Span<const int64_t> flat,
+                                     int64_t group_size) {
+  thread_local const GroupSet* last = nullptr;
+  if (last != nullptr && last->Matches(flat, group_size)) return last;
+
+  static std::mutex mu;
+  static auto* sets = new std::vector<std::unique_ptr<GroupSet>>();
+  std::lock_guard<std::mutex> lock(mu);
+  for (const std::unique_ptr<GroupSet>& s : *sets) {
+    if (s->Matches(flat, group_size)) {
+      last = s.get();
+      return last;
+    }
+  }
+  if (ffi::Error err = ValidateGroups(flat, group_size); err.failure()) {
+    return err;
+  }
+  auto set = std::make_unique<GroupSet>();
+  set->group_size = group_size;
+  set->ids.assign(flat.begin(), flat.end());
+  const size_t gs = static_cast<size_t>(group_size);
+  set->raw.reserve(set->ids.size() / gs);
+  for (size_t g = 0; g < set->ids.size(); g += gs) {
+    set->raw.push_back(XLA_FFI_ReplicaGroup{set->ids.data() + g, gs});
+  }
+  sets->push_back(std::move(set));
+  last = sets->back().get();
+  return last;
+}
+
+//===----------------------------------------------------------------------===//
+// Operands
+//===----------------------------------------------------------------------===//
+
+std::string Describe(const ffi::AnyBuffer& b) {
+  std::string s = "dtype " + std::to_string(static_cast<int>(b.element_type())) +
+                  " [";
+  const auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + ']';
+}
+
+// Elements the FFI API describes as whole bytes. Sub-byte types are packed on
+// GPU (ByteWidth reports 1 for them), so their size in memory is not
+// element_count * ByteWidth; they are refused rather than miscounted.
+bool ByteSized(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::INVALID:
+    case ffi::DataType::TOKEN:
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return false;
+    default:
+      return ffi::ByteWidth(t) > 0;
+  }
+}
+
+bool SameShape(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  if (a.element_type() != b.element_type()) return false;
+  const auto da = a.dimensions();
+  const auto db = b.dimensions();
+  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
+}
+
+// Validates operand/result i; on success sets the bytes of one rank's block.
+ffi::Error CheckPair(size_t i, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
+                     int64_t group_size, size_t* block_bytes) {
+  const auto dims = x.dimensions();
+  if (!ByteSized(x.element_type()) || dims.size() < 1 ||
+      dims[0] != group_size) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "operand " + std::to_string(i) +
+        " must have shape [P, C, ...] with P = group_size = " +
+        std::to_string(group_size) +
+        " and a dtype of whole-byte elements, got " + Describe(x)));
+  }
+  if (!SameShape(x, y)) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "result " + std::to_string(i) + " must have the dtype and shape of operand " +
+        std::to_string(i) + " (" + Describe(x) + "), got " + Describe(y)));
+  }
+  *block_bytes = x.size_bytes() / static_cast<size_t>(group_size);
+  if (*block_bytes != 0 &&
+      (x.untyped_data() == nullptr || y.untyped_data() == nullptr)) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "operand/result " + std::to_string(i) + " has a null data pointer"));
+  }
+  return ffi::Error::Success();
+}
+
+//===----------------------------------------------------------------------===//
+// NCCL
+//===----------------------------------------------------------------------===//
+
+ffi::Error NcclError(const NcclApi& nccl, const char* call, ncclResult_t r,
+                     ncclComm_t comm) {
+  return ffi::Error::Internal(NcclErrorMessage(nccl, call, r, comm));
+}
+
+// Non-blocking communicators may answer ncclInProgress; wait until the
+// operation has been enqueued (what a blocking communicator's call returns
+// after). Blocking ones never take this path.
+ncclResult_t Settle(const NcclApi& nccl, ncclComm_t comm, ncclResult_t r) {
+  while (r == ncclInProgress) {
+    sched_yield();
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = nccl.CommGetAsyncError(comm, &state);
+    r = q != ncclSuccess ? q : state;
+  }
+  return r;
+}
+
+//===----------------------------------------------------------------------===//
+// Stages
+//===----------------------------------------------------------------------===//
+
+ffi::Error PrepareImpl(CollectivesContext collectives,
+                       ffi::Span<const int64_t> replica_groups,
+                       int64_t group_size, int64_t communication_id) {
+  ffi::ErrorOr<const GroupSet*> groups = Groups(replica_groups, group_size);
+  if (!groups.has_value()) return groups.error();
+  const GroupSet& g = **groups;
+  if (ffi::Error err = collectives.RequestCommunicator(
+          ffi::GroupMode::kFlattenedId, g.raw.data(), g.raw.size(),
+          communication_id);
+      err.failure()) {
+    return ffi::Error(*err.errc(), Prefixed("requesting the communicator: " +
+                                            err.message()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       ffi::Span<const int64_t> replica_groups,
+                       int64_t group_size, int64_t communication_id) {
+  ffi::ErrorOr<const GroupSet*> groups = Groups(replica_groups, group_size);
+  if (!groups.has_value()) return groups.error();
+  const GroupSet& g = **groups;
+
+  const size_t n = args.size();
+  if (n == 0 || rets.size() != n) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "needs n >= 1 operands and as many results, got " + std::to_string(n) +
+        " operands and " + std::to_string(rets.size()) + " results"));
+  }
+  // Validate every pair before any NCCL call.
+  size_t total_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return x.error();
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> y = rets.get<ffi::AnyBuffer>(i);
+    if (!y.has_value()) return y.error();
+    size_t block = 0;
+    if (ffi::Error err = CheckPair(i, *x, **y, group_size, &block);
+        err.failure()) {
+      return err;
+    }
+    total_bytes += block;
+  }
+
+  std::string load_error;
+  const NcclApi* nccl = LoadNccl(&load_error);
+  if (nccl == nullptr) return ffi::Error::Internal(load_error);
+
+  ffi::ErrorOr<XLA_FFI_Communicator*> handle = collectives.GetCommunicator(
+      ffi::GroupMode::kFlattenedId, g.raw.data(), g.raw.size(),
+      communication_id);
+  if (!handle.has_value()) {
+    return ffi::Error(*handle.error().errc(),
+                      Prefixed("getting the communicator: " +
+                               handle.error().message()));
+  }
+  ncclComm_t comm = reinterpret_cast<ncclComm_t>(*handle);
+
+  int count = 0;
+  if (ncclResult_t r = nccl->CommCount(comm, &count); r != ncclSuccess) {
+    return NcclError(*nccl, "ncclCommCount", r, comm);
+  }
+  if (count != group_size) {
+    return ffi::Error::Internal(Prefixed(
+        "XLA's communicator has " + std::to_string(count) +
+        " ranks but group_size is " + std::to_string(group_size)));
+  }
+  int rank = -1;
+  if (ncclResult_t r = nccl->CommUserRank(comm, &rank); r != ncclSuccess) {
+    return NcclError(*nccl, "ncclCommUserRank", r, comm);
+  }
+  if (rank < 0 || rank >= count) {
+    return ffi::Error::Internal(Prefixed("ncclCommUserRank gave rank " +
+                                         std::to_string(rank) + " of " +
+                                         std::to_string(count)));
+  }
+  if (total_bytes == 0) return ffi::Error::Success();  // nothing to move
+
+  if (ncclResult_t r = nccl->GroupStart(); r != ncclSuccess) {
+    return NcclError(*nccl, "ncclGroupStart", r, comm);
+  }
+  // Rank p's block of buffer i: bytes [p * block, (p + 1) * block). Send my
+  // block p to rank p, receive rank p's block `rank` into my block p.
+  const char* failed = nullptr;
+  ncclResult_t result = ncclSuccess;
+  for (size_t i = 0; i < n && failed == nullptr; ++i) {
+    ffi::AnyBuffer x = *args.get<ffi::AnyBuffer>(i);
+    ffi::AnyBuffer y = **rets.get<ffi::AnyBuffer>(i);
+    const size_t block = x.size_bytes() / static_cast<size_t>(group_size);
+    if (block == 0) continue;  // C_i = 0 (or a zero trailing dimension)
+    const char* send = static_cast<const char*>(x.untyped_data());
+    char* recv = static_cast<char*>(y.untyped_data());
+    for (int p = 0; p < count; ++p) {
+      const size_t offset = static_cast<size_t>(p) * block;
+      result = nccl->Send(send + offset, block, ncclUint8, p, comm, stream);
+      if (result != ncclSuccess) {
+        failed = "ncclSend";
+        break;
+      }
+      result = nccl->Recv(recv + offset, block, ncclUint8, p, comm, stream);
+      if (result != ncclSuccess) {
+        failed = "ncclRecv";
+        break;
+      }
+    }
+  }
+  // The group is always closed, also after a failed call inside it: an open
+  // group would swallow XLA's next NCCL calls on this thread.
+  const ncclResult_t end = Settle(*nccl, comm, nccl->GroupEnd());
+  if (failed != nullptr) return NcclError(*nccl, failed, result, comm);
+  if (end != ncclSuccess) return NcclError(*nccl, "ncclGroupEnd", end, comm);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe_jax::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeJaxNcclAllToAllPrepare, moe_jax::cuda::PrepareImpl,
+    ffi::Ffi::BindPrepare()
+        .Ctx<ffi::Extension<moe_jax::cuda::Collectives>>()
+        .Attr<ffi::Span<const int64_t>>("replica_groups")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("communication_id"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeJaxNcclAllToAllExecute, moe_jax::cuda::ExecuteImpl,
+    ffi::Ffi::BindExecute()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::Extension<moe_jax::cuda::Collectives>>()
+        .RemainingArgs()   // x_0 .. x_{n-1}
+        .RemainingRets()   // y_0 .. y_{n-1}
+        .Attr<ffi::Span<const int64_t>>("replica_groups")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("communication_id"),
+    {ffi::Traits::kCmdBufferCompatible});

@@ -57,8 +57,9 @@ def combine(cap_ret, spill_ret, dest, pos, weights, *, start, out_dtype):
     weights = weights.astype(jnp.float32)
     acc = jnp.zeros((num_tokens,) + hidden, jnp.float32)
     for j in range(top_k):
-        term = weights[:, j, None] * y[:, j]
-        acc = acc + jnp.where(present[:, j, None], term, jnp.float32(0))
+        term = jnp.where(present[:, j, None], weights[:, j, None] * y[:, j], jnp.float32(0))
+        # The barrier keeps XLA from contracting multiply and add into an FMA.
+        acc = acc + jax.lax.optimization_barrier(term)
     return acc.astype(out_dtype)
 
 

@@ -18,7 +18,10 @@ from moe_jax.plan import worst_case_rows_per_peer
 
 
 def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_counts,
-                  capacity: int, spill_capacity: int, delivered_rows=None, **_):
+                  capacity: int, spill_capacity: int, delivered_rows=None,
+                  _measure_without_fallback: bool = False, **_):
+    """`_measure_without_fallback` drops the exact fallback (inexact; only for
+    measuring what the fallback's guard costs)."""
     worst = worst_case_rows_per_peer(x.shape[0], plan.top_k, plan.experts_per_rank)
     cap = min(capacity, worst)
     spill = min(spill_capacity, worst - cap)
@@ -27,7 +30,7 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
                                  delivered_rows=delivered_rows)
     stats = stream_stats(plan.send_counts, ctx, cap, spill)
     residual = worst - cap - spill
-    if residual == 0:
+    if residual == 0 or _measure_without_fallback:
         return out, stats, delivered
 
     def fallback(_):

@@ -85,6 +85,38 @@ def deliver(rows, canonical, recv_expert_counts, total_rows: int) -> Delivered:
     return Delivered(buf, valid, jnp.sum(recv_expert_counts, axis=0).astype(jnp.int32))
 
 
+def send_window(x: jax.Array, plan: DispatchPlan, ctx: DispatchContext, *, start: int,
+                capacity: int, spill_capacity: int = 0) -> jax.Array:
+    """Dispatch half of a pass: pack, then all-to-all.
+
+    Returns [P, capacity + spill_capacity, H]: row (src, c) holds stream
+    position start + c of the (src -> this rank) stream, zero past its end.
+    """
+    cap_buf, spill_buf = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
+                                  top_k=plan.top_k, start=start, capacity=capacity,
+                                  spill_capacity=spill_capacity)
+    received = ctx.all_to_all_many([cap_buf, spill_buf] if spill_capacity else [cap_buf])
+    return received[0] if len(received) == 1 else jnp.concatenate(received, axis=1)
+
+
+def return_window(out_rows: jax.Array, weights: jax.Array, plan: DispatchPlan,
+                  ctx: DispatchContext, *, start: int, capacity: int) -> jax.Array:
+    """Combine half of a pass: all-to-all back, then the weighted merge.
+
+    out_rows: [P, capacity + S, H] expert outputs in the layout send_window
+    delivered. Returns the partial output [T, H] float32 of the picks in
+    this pass.
+    """
+    if out_rows.shape[1] > capacity:
+        cap_ret, spill_ret = ctx.all_to_all_many([out_rows[:, :capacity],
+                                                  out_rows[:, capacity:]])
+    else:
+        (cap_ret,) = ctx.all_to_all_many([out_rows])
+        spill_ret = jnp.zeros((out_rows.shape[0], 0) + out_rows.shape[2:], out_rows.dtype)
+    return ctx.combine(cap_ret, spill_ret, plan.dest, plan.pos, weights, start=start,
+                       out_dtype=jnp.float32)
+
+
 def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
                 recv_expert_counts: jax.Array, ctx: DispatchContext, expert_fn: ExpertFn, *,
                 start: int, capacity: int, spill_capacity: int = 0,
@@ -101,24 +133,15 @@ def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
        Delivered or None).
     """
     num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
-    cap_buf, spill_buf = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
-                                  top_k=plan.top_k, start=start, capacity=capacity,
-                                  spill_capacity=spill_capacity)
-    received = ctx.all_to_all_many([cap_buf, spill_buf] if spill_capacity else [cap_buf])
-    rows = received[0] if len(received) == 1 else jnp.concatenate(received, axis=1)
+    rows = send_window(x, plan, ctx, start=start, capacity=capacity,
+                       spill_capacity=spill_capacity)
     width = capacity + spill_capacity
     src = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), width)
     q = jnp.tile(start + jnp.arange(width, dtype=jnp.int32), num_ranks)
     local, canonical = locate_rows(src, q, recv_expert_counts)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
     out_rows = run_experts(flat, local, num_local, expert_fn).reshape(rows.shape)
-    if spill_capacity:
-        cap_ret, spill_ret = ctx.all_to_all_many([out_rows[:, :capacity],
-                                                  out_rows[:, capacity:]])
-    else:
-        (cap_ret,), spill_ret = ctx.all_to_all_many([out_rows]), spill_buf
-    partial = ctx.combine(cap_ret, spill_ret, plan.dest, plan.pos, weights, start=start,
-                          out_dtype=jnp.float32)
+    partial = return_window(out_rows, weights, plan, ctx, start=start, capacity=capacity)
     delivered = None
     if delivered_rows is not None:
         delivered = deliver(flat, canonical, recv_expert_counts, delivered_rows)

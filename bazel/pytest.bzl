@@ -47,7 +47,7 @@ def pytest_test(name, src, deps = [], data = [], args = [], tags = [], size = "l
         args = ["$(rootpath %s)" % src] + args,
         deps = deps,
         data = data,
-        legacy_create_init = False,
+        legacy_create_init = 0,  # no __init__.py in runfiles: tests/ stays a plain folder for pytest
         python_version = "PY3",
         srcs_version = "PY3",
         size = size,

@@ -61,7 +61,9 @@ def find_python(rctx):
 _PYTEST_MAIN = '''"""Entry point of the py_test targets of //:bazel/pytest.bzl (generated).
 
 Usage: pytest_main.py TEST_FILE [PYTEST_ARGS...]; TEST_FILE is relative to the
-test's working directory (the workspace's runfiles directory).
+test's working directory (the workspace's runfiles directory). More pytest
+arguments: `bazel test --test_arg=...`; `bazel test --test_filter=EXPR` is
+pytest's `-k EXPR`.
 
 Runs `python -m pytest TEST_FILE` with this same interpreter ({python}),
 after removing the runfiles directories Bazel's launcher put on PYTHONPATH, so
@@ -73,6 +75,7 @@ the project's [tool.pytest.ini_options] in the pyproject.toml of the runfiles.
 
 import os
 import sys
+import tempfile
 
 
 def main():
@@ -81,7 +84,8 @@ def main():
     test_file = os.path.abspath(sys.argv[1])
     runfiles = [os.path.abspath(p) for p in (os.environ.get("TEST_SRCDIR"),
                                              os.environ.get("RUNFILES_DIR")) if p]
-    runfiles.append(os.path.dirname(os.getcwd()))
+    # This file is <runfiles>/<this repository>/pytest_main.py.
+    runfiles.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def in_runfiles(entry):
         entry = os.path.abspath(entry or ".")
@@ -97,15 +101,20 @@ def main():
     args = [sys.executable, "-m", "pytest", test_file, "-p", "no:cacheprovider", "-ra"]
     if env.get("XML_OUTPUT_FILE"):
         args.append("--junitxml=" + env["XML_OUTPUT_FILE"])
+    if env.get("TESTBRIDGE_TEST_ONLY"):  # bazel test --test_filter=EXPR
+        args += ["-k", env["TESTBRIDGE_TEST_ONLY"]]
     args += sys.argv[2:]
 
-    # Run from the test's private temporary directory: nothing (.hypothesis,
-    # caches) is written into the runfiles tree, and the working directory
-    # (first on sys.path under `-m`) holds no stray packages.
+    # Run from the test's private temporary directory (a fresh one under
+    # `bazel run`): nothing (.hypothesis, caches) is written into the runfiles
+    # tree, and the working directory (first on sys.path under `-m`) is not the
+    # runfiles tree, whose moe_jax/ sources would shadow the installed package.
     tmp = env.get("TEST_TMPDIR")
     if tmp:
         os.makedirs(tmp, exist_ok=True)
-        os.chdir(tmp)
+    else:
+        tmp = tempfile.mkdtemp(prefix="pytest_main.")
+    os.chdir(tmp)
     print("pytest_main: %s %s" % (sys.executable, " ".join(args[1:])), flush=True)
     os.execve(sys.executable, args, env)
 

@@ -2,8 +2,10 @@
 #include "nccl_loader.h"
 
 #include <dlfcn.h>
+#include <link.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -18,6 +20,24 @@ std::atomic<const NcclApi*> g_loaded{nullptr};
 std::string DlError() {
   const char* e = dlerror();
   return e ? e : "unknown dlerror";
+}
+
+// Path of an already loaded object whose file name starts with "libnccl.so"
+// (XLA's NCCL, however it was opened), or "" if none is loaded.
+std::string LoadedNcclPath() {
+  std::string found;
+  dl_iterate_phdr(
+      [](struct dl_phdr_info* info, size_t, void* data) -> int {
+        const char* path = info->dlpi_name;
+        if (path == nullptr || path[0] == '\0') return 0;
+        const char* base = std::strrchr(path, '/');
+        base = base ? base + 1 : path;
+        if (std::strncmp(base, "libnccl.so", 10) != 0) return 0;
+        *static_cast<std::string*>(data) = path;
+        return 1;  // stop at the first
+      },
+      &found);
+  return found;
 }
 
 template <typename Fn>
@@ -36,8 +56,14 @@ std::unique_ptr<NcclApi> Load(std::string* error) {
   auto api = std::make_unique<NcclApi>();
   // The CUDA plugin's copy, matched by soname; no second NCCL is loaded.
   void* handle = dlopen(kLibrary, RTLD_NOW | RTLD_NOLOAD);
+  if (handle == nullptr) {
+    // Loaded under another name: find it among the loaded objects.
+    const std::string path = LoadedNcclPath();
+    if (!path.empty()) handle = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  }
   api->already_loaded = handle != nullptr;
   if (handle == nullptr) {
+    // Last resort: nothing named libnccl is loaded yet.
     handle = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL);
     if (handle == nullptr) {
       *error = std::string("moe_jax_nccl_all_to_all: cannot load ") + kLibrary +

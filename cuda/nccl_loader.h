@@ -1,8 +1,10 @@
 // The few NCCL entry points moe_jax_nccl_all_to_all needs, resolved at first
 // use from the libnccl.so.2 that the JAX CUDA plugin already loaded into the
-// process (dlopen RTLD_NOLOAD, then a plain dlopen as a fallback). The
-// extension never links libnccl, so it always talks to XLA's own NCCL: the
-// communicators XLA hands out through the collectives extension belong to it.
+// process: dlopen("libnccl.so.2", RTLD_NOLOAD) (matches the loaded object's
+// soname), else any loaded object named libnccl.so* (dl_iterate_phdr), and
+// only then a plain dlopen. The extension never links libnccl, so it talks to
+// XLA's own NCCL: the communicators XLA hands out through the collectives
+// extension belong to it (a second NCCL copy must never see them).
 #ifndef MOE_JAX_CUDA_NCCL_LOADER_H_
 #define MOE_JAX_CUDA_NCCL_LOADER_H_
 

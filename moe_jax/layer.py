@@ -102,8 +102,9 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
         _expert_fn(params.experts, config), strategy=config.strategy, ctx=ctx,
         experts_per_rank=params.experts.num_experts, capacity=config.capacity,
         spill_capacity=config.spill_capacity, return_delivered=return_delivered)
-    aux = MoEAux(load_balancing_loss(routing, config.num_experts, ctx.axis_name),
-                 router_z_loss(routing, ctx.axis_name), result.stats, result.delivered)
+    psum = ctx.psum if ctx.axis_name is not None else None
+    aux = MoEAux(load_balancing_loss(routing, config.num_experts, psum),
+                 router_z_loss(routing, psum), result.stats, result.delivered)
     return result.out, aux
 
 

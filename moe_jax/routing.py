@@ -6,7 +6,7 @@ routing is deterministic for given logits.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,33 +70,31 @@ def sigmoid_grouped(logits: jax.Array, top_k: int, num_groups: int, topk_groups:
 
 
 def load_balancing_loss(routing: Routing, num_experts: int,
-                        axis_name: str | None = None) -> jax.Array:
+                        psum: Callable | None = None) -> jax.Array:
     """Switch/Mixtral auxiliary loss E * sum_e f_e * p_e (1.0 when balanced).
 
     f_e is the fraction of (token, slot) picks that chose expert e and p_e the
-    mean router probability of e, both over all tokens of the `axis_name`
-    group when it is given (inside shard_map), else over the T local tokens.
+    mean router probability of e, over all tokens of the group when `psum`
+    (a sum over the group, e.g. DispatchContext.psum inside shard_map) is
+    given, else over the T local tokens.
     """
     counts = jnp.zeros((num_experts,), jnp.float32).at[routing.expert_ids.reshape(-1)].add(1.0)
     prob_sum = jnp.sum(routing.probs, axis=0)
     num_tokens = jnp.float32(routing.probs.shape[0])
-    if axis_name is not None:
-        counts = jax.lax.psum(counts, axis_name)
-        prob_sum = jax.lax.psum(prob_sum, axis_name)
-        num_tokens = jax.lax.psum(num_tokens, axis_name)
+    if psum is not None:
+        counts, prob_sum, num_tokens = psum((counts, prob_sum, num_tokens))
     frac = counts / (num_tokens * routing.expert_ids.shape[1])
     mean_prob = prob_sum / num_tokens
     return num_experts * jnp.sum(frac * mean_prob)
 
 
-def router_z_loss(routing: Routing, axis_name: str | None = None) -> jax.Array:
+def router_z_loss(routing: Routing, psum: Callable | None = None) -> jax.Array:
     """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
     z = jax.nn.logsumexp(routing.logits, axis=-1)
     total = jnp.sum(z * z)
     count = jnp.float32(z.shape[0])
-    if axis_name is not None:
-        total = jax.lax.psum(total, axis_name)
-        count = jax.lax.psum(count, axis_name)
+    if psum is not None:
+        total, count = psum((total, count))
     return total / count
 
 

@@ -73,6 +73,7 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                f"must be an integer >= 1 for cap_and_spill, got {capacity!r}")
         _check(spill_capacity is not None and spill_capacity >= 0, "spill_capacity",
                f"must be an integer >= 0 for cap_and_spill, got {spill_capacity!r}")
+    ctx.start_chain()
     plan = make_plan(expert_ids.astype(jnp.int32), ctx.num_ranks, experts_per_rank)
     recv_expert_counts = ctx.all_to_all(plan.send_expert_counts[:, None, :])[:, 0, :]
     delivered_rows = None

@@ -33,7 +33,10 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
     if residual == 0 or _measure_without_fallback:
         return out, stats, delivered
 
+    chain = ctx.chain_state()
+
     def fallback(_):
+        ctx.restore_chain(chain)
         return window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
                            start=cap + spill, capacity=residual,
                            delivered_rows=delivered_rows)
@@ -45,4 +48,6 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
         return zero, jax.tree.map(jnp.zeros_like, delivered)
 
     extra, extra_delivered = jax.lax.cond(stats.fallback_steps > 0, fallback, skip, None)
+    ctx.restore_chain(chain)
+    extra = ctx.chain_after(extra)
     return out + extra, stats, merge_delivered(delivered, extra_delivered)

@@ -10,6 +10,21 @@ import jax.numpy as jnp
 from moe_jax import custom_calls
 
 
+def _opaque_zero(x: jax.Array) -> jax.Array:
+    """An int32 0 computed from x's first element, which XLA cannot fold."""
+    first = x.reshape(-1)[:1]
+    if first.size == 0:
+        return jnp.zeros((), jnp.int32)
+    width = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(first, width)[0].astype(jnp.int32)
+    return jnp.minimum(jnp.bitwise_and(bits, 0x7FFF), 0)
+
+
+def _depend_on(tree, zero: jax.Array):
+    """`tree` unchanged bit for bit, but computed after `zero` is known."""
+    return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatchContext:
     """Static facts a strategy needs while tracing.
@@ -20,6 +35,11 @@ class DispatchContext:
       the in-process all-to-all on CPU, NCCL on XLA's communicator on GPU).
     kernel_impl: "custom_call" or "reference" for pack / combine.
     platform: "cpu" or "gpu" (the platform the program is compiled for).
+
+    On CPU every collective a strategy issues goes through this context,
+    which chains them by data dependencies into one program order. XLA:CPU runs independent operations concurrently on a
+    small thread pool; without a single order, blocking collectives issued in
+    different orders on different devices could starve it and deadlock.
     """
 
     axis_name: str | None
@@ -27,11 +47,49 @@ class DispatchContext:
     transport: str = "lax"
     kernel_impl: str = "custom_call"
     platform: str = "cpu"
+    _chain: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def _orders_collectives(self) -> bool:
+        return self.platform == "cpu" and self.axis_name is not None and self.num_ranks > 1
+
+    def start_chain(self) -> None:
+        """Starts a new collective order (at the start of every traced call)."""
+        self._chain.clear()
+
+    def chain_state(self) -> list:
+        return list(self._chain)
+
+    def restore_chain(self, state: list) -> None:
+        """Rewinds the chain (after tracing a lax.cond branch, whose values
+        must not leak out)."""
+        self._chain[:] = state
+
+    def chain_after(self, tree):
+        """Returns `tree` made to depend on the last collective, and makes it
+        the new end of the chain (use it for values leaving lax.cond)."""
+        if not self._orders_collectives:
+            return tree
+        if self._chain:
+            tree = _depend_on(tree, self._chain[-1])
+        leaves = jax.tree.leaves(tree)
+        if leaves:
+            self._chain[:] = [_opaque_zero(leaves[0])]
+        return tree
+
+    def _collective(self, fn, *args):
+        if not self._orders_collectives:
+            return fn(*args)
+        args = self.chain_after(args)
+        return self.chain_after(fn(*args))
 
     def all_to_all(self, x: jax.Array) -> jax.Array:
         """[P, C, ...] blocks: result[src] = x@src[rank]. Identity for one rank."""
         if self.axis_name is None or self.num_ranks == 1:
             return x
+        return self._collective(self._all_to_all, x)
+
+    def _all_to_all(self, x: jax.Array) -> jax.Array:
         if self.transport == "custom_call":
             if self.platform != "cpu":
                 return custom_calls.nccl_all_to_all(x, axis_name=self.axis_name)[0]
@@ -73,15 +131,20 @@ class DispatchContext:
             return out, recv_sizes
         impl = "reference" if self.kernel_impl == "reference" and self.transport != \
             "custom_call" else "custom_call"
-        return custom_calls.ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets,
-                                              recv_rows=recv_rows, axis_name=self.axis_name,
-                                              impl=impl)
+        return self._collective(
+            lambda *a: custom_calls.ragged_all_to_all(*a, recv_rows=recv_rows,
+                                                      axis_name=self.axis_name, impl=impl),
+            send, send_offsets, send_sizes, recv_offsets)
 
     def psum(self, x):
-        return x if self.axis_name is None else jax.lax.psum(x, self.axis_name)
+        if self.axis_name is None:
+            return x
+        return self._collective(lambda v: jax.lax.psum(v, self.axis_name), x)
 
     def pmax(self, x):
-        return x if self.axis_name is None else jax.lax.pmax(x, self.axis_name)
+        if self.axis_name is None:
+            return x
+        return self._collective(lambda v: jax.lax.pmax(v, self.axis_name), x)
 
     def pack(self, *args, **kwargs):
         return custom_calls.pack(*args, impl=self.kernel_impl, platform=self.platform, **kwargs)

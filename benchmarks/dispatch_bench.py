@@ -1,0 +1,290 @@
+"""Per-layer MoE dispatch latency on one multi-GPU host, against JAX's own.
+
+    python benchmarks/dispatch_bench.py --tokens=16,64,256,1024,4096
+
+For each tokens-per-GPU T it times, under jit over all local GPUs (expert
+parallelism, one mesh axis), with routing drawn fresh every step from the
+calibrated Mixtral-8x7B trace model:
+
+  max_counts      padded lax.all_to_all at the true worst case (MaxCounts)
+  cap_and_spill   C from a quantile of the trace model's per-peer counts,
+                  transport lax.all_to_all ("lax") or one NCCL group ("nccl")
+  ragged          lax.ragged_all_to_all (only real rows move)
+  gshard          GShard one-hot einsum dispatch (capacity T per expert: exact)
+
+Phases: "dispatch" (pack + all-to-all), "combine" (all-to-all back + merge),
+"dc" (dispatch + combine with identity experts) and "layer" (the whole
+layer: dispatch, SwiGLU experts, combine, exact fallback included). It also
+measures the NVLink all-to-all bandwidth and, for cap_and_spill, the cost of
+the fallback guard when it is not taken. Results: JSON + markdown table in
+--out, and a latency-CDF plot.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import moe_jax as mj
+from moe_jax.dispatch import DispatchContext
+from moe_jax.dispatch.cap_and_spill import cap_and_spill
+from moe_jax.dispatch.passes import return_window, send_window
+from moe_jax.plan import make_plan, worst_case_rows_per_peer
+from moe_jax.traces import sample_routing
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("tokens", ["16", "64", "256", "1024", "4096"], "Tokens per GPU.")
+flags.DEFINE_list("quantiles", ["0.90", "0.95", "0.99", "0.995"], "Quantiles that set C.")
+flags.DEFINE_list("methods", ["max_counts", "cap_and_spill:lax", "cap_and_spill:nccl",
+                              "ragged", "gshard"], "Methods to time.")
+flags.DEFINE_list("phases", ["dispatch", "combine", "dc", "layer"], "Phases to time.")
+flags.DEFINE_integer("hidden", 4096, "Model width d.")
+flags.DEFINE_integer("ffn", 14336, "Expert width (layer phase).")
+flags.DEFINE_integer("experts", 8, "Experts E.")
+flags.DEFINE_integer("top_k", 2, "Experts per token.")
+flags.DEFINE_integer("steps", 200, "Measured steps per configuration.")
+flags.DEFINE_integer("warmup", 5, "Unmeasured steps first.")
+flags.DEFINE_integer("routings", 50, "Distinct routings cycled through (fresh per step).")
+flags.DEFINE_integer("calibration_steps", 400, "Trace-model steps used to choose C and S.")
+flags.DEFINE_integer("seed", 0, "Routing seed.")
+flags.DEFINE_string("out", "docs/benchmarks", "Folder for JSON, markdown and plot.")
+flags.DEFINE_string("tag", "dispatch", "File name stem of the results.")
+flags.DEFINE_float("time_budget_s", 480, "Stop starting new configurations after this.")
+
+
+def _mesh():
+    devices = jax.devices()
+    return jax.make_mesh((len(devices),), ("ep",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _routing_batches(ranks, tokens, num, seed):
+    rng = np.random.default_rng(seed)
+    ids, weights = [], []
+    for _ in range(num):
+        e, g = sample_routing(rng, ranks * tokens, FLAGS.experts, FLAGS.top_k)
+        ids.append(e.astype(np.int32))
+        weights.append(g.astype(np.float32))
+    return np.stack(ids), np.stack(weights)
+
+
+def _calibrate(ranks, tokens, quantile):
+    traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks, top_k=FLAGS.top_k,
+                                num_layers=1, num_steps=FLAGS.calibration_steps,
+                                tokens_per_rank=tokens, seed=FLAGS.seed + 1)
+    return mj.calibrate(traces, quantile, num_ranks=ranks, num_experts=FLAGS.experts)
+
+
+def _identity(rows, group_sizes):
+    return rows
+
+
+def _swiglu(experts):
+    return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, experts, jnp.bfloat16)
+
+
+def _gshard(x, ids, w, expert_fn, ctx, experts_per_rank, phase):
+    """GShard einsum dispatch with capacity T per expert (no token dropped)."""
+    tokens, _ = x.shape
+    num_experts = ctx.num_ranks * experts_per_rank
+    onehot = jax.nn.one_hot(ids, num_experts, dtype=jnp.int32)          # [T, k, E]
+    slot = jnp.cumsum(onehot.sum(1), axis=0) - onehot.sum(1)            # [T, E] position
+    mask = onehot.sum(1).astype(x.dtype)                                # [T, E]
+    position = jax.nn.one_hot(slot, tokens, dtype=x.dtype) * mask[..., None]   # [T, E, C=T]
+    combine_w = (onehot * w[..., None]).sum(1)                          # [T, E]
+    send = jnp.einsum("tec,td->ecd", position, x)                      # [E, T, d]
+    send = send.reshape(ctx.num_ranks, experts_per_rank, tokens, -1)
+    recv = jax.lax.all_to_all(send, "ep", 0, 0, tiled=False)           # [P(src), El, T, d]
+    if phase == "dispatch":
+        return recv
+    rows = jnp.swapaxes(recv, 0, 1).reshape(experts_per_rank, -1, x.shape[1])
+    sizes = jnp.full((experts_per_rank,), rows.shape[1], jnp.int32)
+    out = expert_fn(rows.reshape(-1, x.shape[1]), sizes).reshape(rows.shape)
+    back = jnp.swapaxes(out.reshape(experts_per_rank, ctx.num_ranks, tokens, -1), 0, 1)
+    back = jax.lax.all_to_all(back, "ep", 0, 0, tiled=False).reshape(num_experts, tokens, -1)
+    return jnp.einsum("tec,ecd->td", position * combine_w[..., None], back)
+
+
+def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
+    """A jitted function (x, ids, w) -> output for one method and phase."""
+    strategy, _, transport = method.partition(":")
+    transport = {"nccl": "custom_call", "": "lax"}.get(transport, transport)
+    experts_per_rank = FLAGS.experts // ranks
+    backend = "cpu" if mesh.devices.flat[0].platform == "cpu" else "gpu"
+    ctx = DispatchContext("ep", ranks, transport, "custom_call", backend)
+    worst = worst_case_rows_per_peer(tokens, FLAGS.top_k, experts_per_rank)
+    expert_fn = _swiglu(experts) if phase == "layer" else _identity
+
+    def body(x, ids, w, *expert_weights):
+        nonlocal expert_fn
+        if phase == "layer":
+            expert_fn = _swiglu(mj.ExpertWeights(*expert_weights))
+        if strategy == "gshard":
+            return _gshard(x, ids, w, expert_fn, ctx, experts_per_rank, phase)
+        if phase in ("dispatch", "combine") and strategy in ("max_counts", "cap_and_spill"):
+            plan = make_plan(ids, ranks, experts_per_rank)
+            cap, sp = (worst, 0) if strategy == "max_counts" else (capacity, spill)
+            if phase == "dispatch":
+                return send_window(x, plan, ctx, start=0, capacity=cap, spill_capacity=sp)
+            rows = jnp.broadcast_to(x[:1], (ranks, cap + sp, x.shape[1]))
+            return return_window(rows, w, plan, ctx, start=0, capacity=cap)
+        kw = dict(capacity=capacity, spill_capacity=spill)
+        if strategy == "cap_and_spill:noguard":
+            plan = make_plan(ids, ranks, experts_per_rank)
+            counts = ctx.all_to_all(plan.send_expert_counts[:, None, :])[:, 0, :]
+            return cap_and_spill(x, w, plan, ctx, expert_fn, recv_expert_counts=counts,
+                                 _measure_without_fallback=True, **kw)[0]
+        return mj.dispatch_combine(x, ids, w, expert_fn, strategy=strategy, ctx=ctx,
+                                   experts_per_rank=experts_per_rank, **kw).out
+
+    specs = (P("ep"),) * 3 + ((P("ep"),) * 3 if phase == "layer" else ())
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep"),
+                                 check_vma=False))
+
+
+def _time(fn, inputs, extra):
+    """Per-step latencies (synchronous) and the pipelined mean, in microseconds."""
+    for i in range(FLAGS.warmup):
+        jax.block_until_ready(fn(*inputs[i % len(inputs)], *extra))
+    lat = []
+    for i in range(FLAGS.steps):
+        args = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args, *extra))
+        lat.append((time.perf_counter() - t0) * 1e6)
+    t0 = time.perf_counter()
+    outs = [fn(*inputs[i % len(inputs)], *extra) for i in range(FLAGS.steps)]
+    jax.block_until_ready(outs)
+    pipelined = (time.perf_counter() - t0) * 1e6 / FLAGS.steps
+    lat = np.asarray(lat)
+    return dict(mean_us=float(lat.mean()), median_us=float(np.median(lat)),
+                p95_us=float(np.percentile(lat, 95)), p99_us=float(np.percentile(lat, 99)),
+                pipelined_mean_us=float(pipelined), samples_us=[round(v, 1) for v in lat])
+
+
+def _alltoall_bandwidth(mesh, ranks):
+    """Bytes each GPU sends to the others per second in a large all-to-all."""
+    rows = 8192
+    x = jax.device_put(jnp.ones((ranks * ranks, rows, FLAGS.hidden), jnp.bfloat16),
+                       NamedSharding(mesh, P("ep")))
+    fn = jax.jit(jax.shard_map(lambda a: jax.lax.all_to_all(a, "ep", 0, 0, tiled=False),
+                               mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    jax.block_until_ready(fn(x))
+    t0 = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        x = fn(x)
+    jax.block_until_ready(x)
+    seconds = (time.perf_counter() - t0) / reps
+    sent = (ranks - 1) * rows * FLAGS.hidden * 2
+    return sent / seconds
+
+
+def main(argv):
+    del argv
+    start_time = time.time()
+    mesh = _mesh()
+    ranks = mesh.shape["ep"]
+    experts_per_rank = FLAGS.experts // ranks
+    devices = jax.devices()
+    sharding = NamedSharding(mesh, P("ep"))
+    bandwidth = _alltoall_bandwidth(mesh, ranks)
+    print(f"{ranks} x {devices[0].device_kind}; all-to-all {bandwidth / 1e9:.1f} GB/s per GPU",
+          flush=True)
+    experts = None
+    if "layer" in FLAGS.phases:
+        ew = mj.init_expert_weights(jax.random.key(0), FLAGS.experts, FLAGS.hidden, FLAGS.ffn,
+                                    jnp.bfloat16)
+        experts = tuple(jax.device_put(a, sharding) for a in ew)
+    results = []
+    for tokens in map(int, FLAGS.tokens):
+        ids, weights = _routing_batches(ranks, tokens, FLAGS.routings, FLAGS.seed)
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (ranks * tokens, FLAGS.hidden),
+                                             jnp.bfloat16), sharding)
+        inputs = [(x, jax.device_put(i, sharding), jax.device_put(w, sharding))
+                  for i, w in zip(ids, weights)]
+        worst = worst_case_rows_per_peer(tokens, FLAGS.top_k, experts_per_rank)
+        counts = np.stack([np.bincount(
+            (i.reshape(ranks, -1) // experts_per_rank)[r], minlength=ranks)
+            for i in ids for r in range(ranks)])
+        actual_rows = float(np.mean(counts.sum(1) - counts[np.arange(len(counts)),
+                                                             np.arange(len(counts)) % ranks]))
+        floor_us = actual_rows * FLAGS.hidden * 2 / bandwidth * 1e6 * 2
+        configs = []
+        for method in FLAGS.methods:
+            if method.startswith("cap_and_spill"):
+                for q in map(float, FLAGS.quantiles):
+                    calib = _calibrate(ranks, tokens, q)
+                    configs.append((method, q, calib))
+                if method == "cap_and_spill:lax":
+                    configs.append(("cap_and_spill:noguard", 0.99,
+                                    _calibrate(ranks, tokens, 0.99)))
+            else:
+                configs.append((method, None, None))
+        for method, q, calib in configs:
+            for phase in FLAGS.phases:
+                if time.time() - start_time > FLAGS.time_budget_s:
+                    print("time budget reached; stopping", flush=True)
+                    break
+                if method == "cap_and_spill:noguard" and phase not in ("dc", "layer"):
+                    continue
+                if (method == "ragged" and phase in ("dispatch", "combine")) or (
+                        method == "gshard" and phase == "combine"):
+                    continue
+                cap = calib.capacity if calib else None
+                spill = calib.spill_capacity if calib else None
+                try:
+                    fn = _build(method, phase, ranks, tokens, cap, spill,
+                                experts, mesh)
+                    timing = _time(fn, inputs, experts if phase == "layer" else ())
+                except Exception as err:  # recorded, not fatal: one method may not run
+                    print(f"T={tokens} {method} {phase}: FAILED {type(err).__name__}: "
+                          f"{str(err)[:300]}", flush=True)
+                    results.append(dict(tokens=tokens, method=method, phase=phase,
+                                        quantile=q, error=f"{type(err).__name__}: {err}"[:2000]))
+                    continue
+                row = dict(tokens=tokens, method=method, phase=phase, quantile=q,
+                           capacity=cap, spill_capacity=spill, worst_case=worst,
+                           overflow_rate=None if calib is None else
+                           calib.frac_counts_over_capacity,
+                           fallback_rate=None if calib is None else calib.frac_counts_over_total,
+                           byte_floor_dc_us=floor_us, **timing)
+                results.append(row)
+                print(f"T={tokens:5d} {method:22s} q={q} {phase:8s} mean {timing['mean_us']:9.1f}"
+                      f" median {timing['median_us']:9.1f} p99 {timing['p99_us']:9.1f} "
+                      f"pipelined {timing['pipelined_mean_us']:9.1f} us", flush=True)
+        _write(results, devices, bandwidth, partial=True)
+    _write(results, devices, bandwidth, partial=False)
+
+
+def _write(results, devices, bandwidth, partial):
+    os.makedirs(FLAGS.out, exist_ok=True)
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command="python " + " ".join(sys.argv), host=socket.gethostname(),
+        devices=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
+        jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
+        moe_jax=mj.__version__, python=platform.python_version(),
+        alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9, hidden=FLAGS.hidden,
+        experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
+        xla_flags=os.environ.get("XLA_FLAGS", ""))
+    stem = os.path.join(FLAGS.out, FLAGS.tag)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    from benchmarks.report import write_report  # noqa: PLC0415
+    write_report(stem + ".json")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build, GPU tests and the dispatch benchmark on a GPU host, in one go.
+#
+#   tools/gpu_checks.sh OUT_DIR [tests|bench|all] [benchmark flags...]
+#
+# Writes build.log, topo.txt, gpu_tests.log (+ junit xml) and the benchmark's
+# JSON / markdown / CDF plot under OUT_DIR.
+set -uo pipefail
+out=${1:?usage: tools/gpu_checks.sh OUT_DIR [tests|bench|all] [flags...]}
+what=${2:-all}
+shift $(( $# >= 2 ? 2 : 1 ))
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import moe_jax._ffi_cuda" 2>/dev/null; then
+  echo "== build"
+  start=$(date +%s)
+  "$PY" -m pip install --no-build-isolation --no-deps -e . \
+      -Ccmake.define.MOE_JAX_CUDA=ON -Cbuild-dir=build/gpu >"$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+  echo "built in $(( $(date +%s) - start )) s"
+fi
+"$PY" -c "import jax, moe_jax; print(jax.__version__, jax.devices(), moe_jax.custom_calls.available_platforms())"
+nvidia-smi topo -m >"$out/topo.txt" 2>&1 || true
+
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  echo "== GPU tests"
+  start=$(date +%s)
+  "$PY" -m pytest -m "gpu or multi_gpu" -q -rs tests/ --junitxml="$out/gpu_tests.xml" \
+      >"$out/gpu_tests.log" 2>&1 || status=1
+  tail -25 "$out/gpu_tests.log"
+  echo "tests took $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  echo "== benchmark"
+  "$PY" -m benchmarks.dispatch_bench --out="$out" "$@" 2>&1 | grep -v "^I1\|^W1" \
+      | tee "$out/bench.log" | grep -E "^T=|bandwidth|FAILED|budget|x NVIDIA" | tail -80
+fi
+exit $status

@@ -8,6 +8,8 @@ every rank takes the same branch and the collectives inside stay matched.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -34,10 +36,13 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
         return out, stats, delivered
 
     chain = ctx.chain_state()
+    # The NCCL custom call does not run inside a captured conditional (XLA
+    # records a command at most once); the rare fallback uses XLA's own.
+    fallback_ctx = ctx if ctx.platform == "cpu" else dataclasses.replace(ctx, transport="lax")
 
     def fallback(_):
         ctx.restore_chain(chain)
-        return window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
+        return window_pass(x, weights, plan, recv_expert_counts, fallback_ctx, expert_fn,
                            start=cap + spill, capacity=residual,
                            delivered_rows=delivered_rows)
 

@@ -51,7 +51,7 @@ def child(num: int, pid: int, port: int) -> None:
     params = jax.tree.map(lambda a: jax.make_array_from_callback(
         a.shape, replicated, lambda idx, a=np.asarray(a): a[idx]), params)
     y, aux = jax.jit(lambda p, x: mj.moe_layer(p, x, config, mesh))(params, x)
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]
     dense = config.replace(strategy="dense", dtype=jnp.float32, kernel_impl="reference",
                            transport="lax")
     host_params = jax.tree.map(lambda a: jax.device_put(np.asarray(a.addressable_data(0)), cpu),

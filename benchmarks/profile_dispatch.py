@@ -1,0 +1,91 @@
+"""Where the time of one dispatch + combine goes on GPU 0, from a JAX profile.
+
+    python -m benchmarks.profile_dispatch --tokens=256,4096 --out=DIR
+
+For each method and T it traces 20 steps of the "dc" phase of
+dispatch_bench, then prints (and writes to DIR/profile_summary.txt) the
+device time per step by kernel on GPU 0, largest first, and the wall time
+per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from benchmarks import dispatch_bench as bench
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("profile_steps", 20, "Traced steps.")
+flags.DEFINE_integer("top", 12, "Kernels listed per configuration.")
+
+
+def _device_time(trace_path: str, steps: int):
+    with gzip.open(trace_path) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu0 = {pid for pid, n in names.items() if "GPU:0" in n or "gpu:0" in n.lower()}
+    per_kernel = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu0:
+            per_kernel[e["name"][:90]] += e.get("dur", 0) / steps
+    return per_kernel
+
+
+def main(argv):
+    del argv
+    mesh = bench._mesh()
+    ranks = mesh.shape["ep"]
+    sharding = NamedSharding(mesh, P("ep"))
+    os.makedirs(FLAGS.out, exist_ok=True)
+    lines = []
+    for tokens in map(int, FLAGS.tokens):
+        ids, weights = bench._routing_batches(ranks, tokens, FLAGS.routings, FLAGS.seed)
+        x = jax.device_put(jnp.ones((ranks * tokens, FLAGS.hidden), jnp.bfloat16), sharding)
+        inputs = [(x, jax.device_put(i, sharding), jax.device_put(w, sharding))
+                  for i, w in zip(ids, weights)]
+        for method in FLAGS.methods:
+            calib = bench._calibrate(ranks, tokens, 0.99) if "cap" in method else None
+            fn = bench._build(method, "dc", ranks, tokens, calib and calib.capacity,
+                              calib and calib.spill_capacity, None, mesh)
+            for i in range(5):
+                jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+            tmp = tempfile.mkdtemp()
+            t0 = time.perf_counter()
+            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                for i in range(FLAGS.profile_steps):
+                    jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+            wall = (time.perf_counter() - t0) / FLAGS.profile_steps * 1e6
+            traces = glob.glob(os.path.join(tmp, "**", "*.json.gz"), recursive=True)
+            if not traces:
+                lines.append(f"T={tokens} {method}: no trace written")
+                continue
+            name = f"trace_{method.replace(':', '_')}_{tokens}.json.gz"
+            shutil.copy(traces[0], os.path.join(FLAGS.out, name))
+            kernels = _device_time(traces[0], FLAGS.profile_steps)
+            total = sum(kernels.values())
+            lines.append(f"T={tokens} {method}: GPU0 busy {total:.1f} us/step, wall {wall:.1f} "
+                         f"us/step (traced), {len(kernels)} kernel names")
+            for k, v in kernels.most_common(FLAGS.top):
+                lines.append(f"    {v:8.1f} us  {k}")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(FLAGS.out, "profile_summary.txt"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -209,6 +209,7 @@ def main(argv):
                                     jnp.bfloat16)
         experts = tuple(jax.device_put(a, sharding) for a in ew)
     results = []
+    stopped = False
     for tokens in map(int, FLAGS.tokens):
         ids, weights = _routing_batches(ranks, tokens, FLAGS.routings, FLAGS.seed)
         x = jax.device_put(jax.random.normal(jax.random.key(1), (ranks * tokens, FLAGS.hidden),
@@ -237,6 +238,7 @@ def main(argv):
             for phase in FLAGS.phases:
                 if time.time() - start_time > FLAGS.time_budget_s:
                     print("time budget reached; stopping", flush=True)
+                    stopped = True
                     break
                 if method.startswith("cap_and_spill") and phase in ("dispatch", "combine") \
                         and (q != 0.99 or method == "cap_and_spill:noguard"):
@@ -267,7 +269,7 @@ def main(argv):
                       f" median {timing['median_us']:9.1f} p99 {timing['p99_us']:9.1f} "
                       f"pipelined {timing['pipelined_mean_us']:9.1f} us", flush=True)
         _write(results, devices, bandwidth, partial=True)
-    _write(results, devices, bandwidth, partial=False)
+    _write(results, devices, bandwidth, partial=stopped)
 
 
 def _write(results, devices, bandwidth, partial):

@@ -1,0 +1,95 @@
+"""Summary table across dispatch_bench result files (the README's table).
+
+    python -m benchmarks.summary docs/benchmarks/dispatch_*.json \
+        --out docs/benchmarks/SUMMARY.md --readme README.md
+
+Mean dispatch+combine latency per tokens-per-GPU for each method (cap_and_spill
+at q = 0.99), the ratios the targets are stated in, and the byte floor.
+With --readme, replaces the text between the benchmark-summary markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+METHODS = [("max_counts", None), ("cap_and_spill:lax", 0.99), ("cap_and_spill:nccl", 0.99),
+           ("ragged", None), ("gshard", None)]
+START, END = "<!-- benchmark-summary:start -->", "<!-- benchmark-summary:end -->"
+
+
+def _rows(paths):
+    rows, sources = {}, []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        sources.append((path, data["meta"]))
+        for r in data["results"]:
+            if "error" in r:
+                continue
+            rows[(r["phase"], r["tokens"], r["method"], r.get("quantile"))] = r
+    return rows, sources
+
+
+def _cell(r):
+    return "—" if r is None else f"{r['mean_us']:.0f}"
+
+
+def summarize(paths) -> str:
+    rows, sources = _rows(paths)
+    tokens = sorted({k[1] for k in rows})
+    out = []
+    for phase, title in (("dc", "dispatch + combine"), ("layer", "whole layer")):
+        out += [f"Mean {title} latency, microseconds per step (cap_and_spill at q=0.99):", "",
+                "| T/GPU | " + " | ".join(m for m, _ in METHODS)
+                + " | max_counts / cap_and_spill:lax | ragged / cap_and_spill:lax"
+                + (" | byte floor |" if phase == "dc" else " |"),
+                "|" + " --- |" * (len(METHODS) + 3 + (phase == "dc"))]
+        for t in tokens:
+            cells = [rows.get((phase, t, m, q)) for m, q in METHODS]
+            if not any(cells):
+                continue
+            base, cas, rag = cells[0], cells[1], cells[3]
+            r1 = f"{base['mean_us'] / cas['mean_us']:.2f}x" if base and cas else "—"
+            r2 = f"{rag['mean_us'] / cas['mean_us']:.2f}x" if rag and cas else "—"
+            line = f"| {t} | " + " | ".join(_cell(c) for c in cells) + f" | {r1} | {r2} |"
+            if phase == "dc":
+                floor = next((c["byte_floor_dc_us"] for c in cells if c), None)
+                line += f" {floor:.0f} |" if floor else " — |"
+            out.append(line)
+        out.append("")
+    devices = sorted({m["devices"] for _, m in sources})
+    out.append(f"Device: {', '.join(devices)}; jax {sources[0][1]['jax']}; d={sources[0][1]['hidden']}"
+               f" bf16, E={sources[0][1]['experts']}, top-{sources[0][1]['top_k']}, "
+               f"{sources[0][1]['steps']} steps per cell. Sources (full tables, p50/p95/p99, "
+               "overflow rates, CDF plots):")
+    for path, meta in sources:
+        out.append(f"- `{path}` ({meta['date']}): `{meta['command']}`")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--out")
+    parser.add_argument("--readme")
+    args = parser.parse_args()
+    text = summarize(args.paths)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Dispatch benchmark summary\n\n" + text)
+    if args.readme:
+        with open(args.readme) as f:
+            readme = f.read()
+        block = f"{START}\n{text}{END}"
+        readme, n = re.subn(re.escape(START) + r"[\s\S]*?" + re.escape(END), block, readme)
+        if n != 1:
+            raise SystemExit(f"{args.readme}: no benchmark-summary markers")
+        with open(args.readme, "w") as f:
+            f.write(readme)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

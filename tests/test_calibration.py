@@ -1,10 +1,6 @@
 """Tests of moe_jax.calibration: capacity C, spill capacity S and overflow rates."""
 
-import importlib
 import math
-import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,23 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 
-def _load(name):
-    """Imports moe_jax.<name>; if the package itself cannot be imported (its
-    __init__ is missing or broken), loads the module from its file under a
-    private package name so that its relative imports still work."""
-    try:
-        return importlib.import_module(f"moe_jax.{name}")
-    except Exception:
-        pkg_name = "_moe_jax_standalone"
-        if pkg_name not in sys.modules:
-            pkg = types.ModuleType(pkg_name)
-            pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "moe_jax")]
-            sys.modules[pkg_name] = pkg
-        return importlib.import_module(f"{pkg_name}.{name}")
+from moe_jax import calibration as cal, traces as traces_mod
 
-
-cal = _load("calibration")
-traces_mod = _load("traces")
 calibrate = cal.calibrate
 overflow_rates = cal.overflow_rates
 

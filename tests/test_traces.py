@@ -1,11 +1,7 @@
 """Tests of moe_jax.traces: the calibrated generator, per-peer counts, JSONL I/O."""
 
-import importlib
 import json
-import sys
 import time
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,22 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-def _load(name):
-    """Imports moe_jax.<name>; if the package itself cannot be imported (its
-    __init__ is missing or broken), loads the module from its file under a
-    private package name so that its relative imports still work."""
-    try:
-        return importlib.import_module(f"moe_jax.{name}")
-    except Exception:
-        pkg_name = "_moe_jax_standalone"
-        if pkg_name not in sys.modules:
-            pkg = types.ModuleType(pkg_name)
-            pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "moe_jax")]
-            sys.modules[pkg_name] = pkg
-        return importlib.import_module(f"{pkg_name}.{name}")
+from moe_jax import traces as traces_mod
 
-
-traces_mod = _load("traces")
 RoutingTrace = traces_mod.RoutingTrace
 TraceModel = traces_mod.TraceModel
 generate_traces = traces_mod.generate_traces

@@ -8,7 +8,6 @@ mesh of all N GPUs, and checks its own shard of the output against the
 float32 dense reference. Each process prints PASS.
 """
 
-import os
 import socket
 import subprocess
 import sys

@@ -1,0 +1,398 @@
+"""Pure-Python reference of the FAST all-to-all(v) scheduler.
+
+FAST (Lei et al., NSDI '26) schedules a skewed all-to-all(v) on a two-tier
+fabric (fast intra-server links, slow inter-server NICs) in four parts:
+
+1. **Balancing** (intra-server): for every ordered server pair (a, b), a != b,
+   the GPUs of server ``a`` exchange data so that each of them holds (nearly)
+   the same volume for server ``b``.
+2. **Birkhoff-von Neumann stages** (inter-server): the server-level matrix
+   ``D[a, b]`` (sum of the ``a -> b`` tile, zero diagonal) is padded to equal
+   row and column sums ``L`` and decomposed into integer-weighted perfect
+   matchings.  In a stage with matching ``pi`` and weight ``w``, server ``a``
+   sends ``w`` units (real data first, padding never moves) to ``pi[a]``;
+   GPU ``l`` of ``a`` sends its share to GPU ``l`` of ``pi[a]`` (peer rule).
+3. **Redistribution** (intra-server, per stage): the receiving peer forwards
+   each piece to its true destination GPU.
+4. **Intra-server part**: ``T[g, h]`` for g != h on the same server goes
+   directly.  ``T[g, g]`` is a local copy and never appears as a transfer.
+
+Rounding rule (balancing and per-stage GPU shares): the ``R = D[a, b]`` units
+of the pair are numbered ``u = 0 .. R-1`` in the order they cross the
+network; unit ``u`` is carried by local GPU ``(u + a + b) % M``.  So each GPU
+carries ``R // M`` or ``R // M + 1`` units in total, and ``w // M`` or
+``w // M + 1`` in every stage; the rotation by ``a + b`` spreads the extra
+units over different GPUs for different server pairs (on both the sending
+and the receiving side).
+
+Everything here is deterministic; ``moe_jax._fast`` (C++) implements the same
+algorithm with the same tie-breaking and returns the same schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+Flow = tuple[int, int]  # (original source GPU, final destination GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One point-to-point copy: ``amount`` units of ``flow`` from src to dst."""
+  src_gpu: int
+  dst_gpu: int
+  amount: int
+  flow: Flow
+
+
+@dataclasses.dataclass
+class Stage:
+  """Concurrent transfers; ``kind`` in balance|intra|scale_out|redistribute.
+
+  For ``scale_out`` and ``redistribute`` stages, ``bvn_index`` is the index
+  of the server-level stage they belong to (else -1).
+  """
+  kind: str
+  transfers: list[Transfer]
+  bvn_index: int = -1
+
+
+@dataclasses.dataclass
+class Schedule:
+  """A FAST schedule.
+
+  Attributes:
+    num_servers, gpus_per_server: topology (GPU ``g`` is local GPU
+      ``g % M`` of server ``g // M``).
+    traffic: int64[G, G] input matrix.
+    server_matrix: int64[n, n], ``D`` (zero diagonal).
+    padded_matrix: int64[n, n], ``D + P`` with all row/col sums ``bound``.
+    bound: ``L``, max row/col sum of ``D`` (= of the padded matrix).
+    matchings: int64[S, n]; ``matchings[k, a]`` is the server ``a`` sends
+      to in BvN stage ``k`` (a perfect matching of the padded matrix).
+    weights: int64[S]; BvN weight of stage ``k`` (sum == ``bound``).
+    real: int64[S, n]; real (non-padding) units server ``a`` sends in stage k.
+    stages: GPU-level stages in execution order: balance, intra, then
+      (scale_out, redistribute) per BvN stage.
+  """
+  num_servers: int
+  gpus_per_server: int
+  traffic: np.ndarray
+  server_matrix: np.ndarray
+  padded_matrix: np.ndarray
+  bound: int
+  matchings: np.ndarray
+  weights: np.ndarray
+  real: np.ndarray
+  stages: list[Stage]
+
+  @property
+  def num_bvn_stages(self) -> int:
+    return int(self.weights.shape[0])
+
+  def server_stage_times(self) -> np.ndarray:
+    """int64[S]: the largest real server-to-server transfer of each stage."""
+    if self.real.size == 0:
+      return np.zeros((0,), np.int64)
+    return self.real.max(axis=1)
+
+
+def _check_traffic(traffic, num_servers: int, gpus_per_server: int) -> np.ndarray:
+  if not isinstance(num_servers, (int, np.integer)) or num_servers < 1:
+    raise ValueError(f"num_servers must be a positive int, got {num_servers!r}")
+  if not isinstance(gpus_per_server, (int, np.integer)) or gpus_per_server < 1:
+    raise ValueError(
+        f"gpus_per_server must be a positive int, got {gpus_per_server!r}")
+  t = np.asarray(traffic)
+  g = num_servers * gpus_per_server
+  if t.shape != (g, g):
+    raise ValueError(
+        f"traffic must have shape ({g}, {g}) for {num_servers} servers x "
+        f"{gpus_per_server} GPUs, got {t.shape}")
+  if t.size and not np.issubdtype(t.dtype, np.integer):
+    if not np.all(np.equal(np.mod(t, 1), 0)):
+      raise ValueError("traffic must hold integers (bytes or rows)")
+  t = t.astype(np.int64)
+  if t.size and t.min() < 0:
+    raise ValueError("traffic must be non-negative")
+  return t
+
+
+def server_matrix(traffic, num_servers: int, gpus_per_server: int) -> np.ndarray:
+  """int64[n, n]: tile sums of the ``G x G`` traffic, zero diagonal."""
+  t = _check_traffic(traffic, num_servers, gpus_per_server)
+  n, m = num_servers, gpus_per_server
+  d = t.reshape(n, m, n, m).sum(axis=(1, 3))
+  np.fill_diagonal(d, 0)
+  return d
+
+
+def lower_bounds(traffic, num_servers: int, gpus_per_server: int) -> dict:
+  """Lower bounds: max row/col sum of the server and of the GPU matrix.
+
+  Returns dict with ``server`` (max row/col sum of the inter-server matrix
+  ``D``; FAST's scale-out time in units, optimal for ``M`` NICs per server
+  is ``server / M``), ``gpu_inter`` (max per-GPU inter-server send or
+  receive volume: what a per-GPU direct schedule needs on one NIC) and
+  ``gpu`` (max row/col sum of the whole GPU matrix without the diagonal).
+  """
+  t = _check_traffic(traffic, num_servers, gpus_per_server)
+  n, m = num_servers, gpus_per_server
+  d = server_matrix(t, n, m)
+  srv = np.arange(n * m) // m
+  inter = np.where(srv[:, None] != srv[None, :], t, 0)
+  off = t.copy()
+  np.fill_diagonal(off, 0)
+
+  def mx(x):
+    return int(max(x.sum(0).max(initial=0), x.sum(1).max(initial=0)))
+
+  return {"server": mx(d), "gpu_inter": mx(inter), "gpu": mx(off)}
+
+
+def pad_matrix(d: np.ndarray) -> np.ndarray:
+  """int64[n, n]: ``d`` plus non-negative padding, all row/col sums equal.
+
+  Greedy: rows in order, columns in order, add ``min(row deficit, column
+  deficit)``.  Full rows/columns (the bottleneck) get no padding.
+  """
+  d = np.asarray(d, np.int64)
+  n = d.shape[0]
+  p = d.copy()
+  if n == 0:
+    return p
+  rs, cs = d.sum(1), d.sum(0)
+  big = max(rs.max(), cs.max())
+  dr, dc = big - rs, big - cs
+  j = 0
+  for i in range(n):
+    while dr[i] > 0:
+      while dc[j] == 0:
+        j += 1
+      x = min(dr[i], dc[j])
+      p[i, j] += x
+      dr[i] -= x
+      dc[j] -= x
+  return p
+
+
+def _augment(u, adj_pos, match_col, match_row, visited):
+  """Kuhn's DFS from row ``u`` over columns with positive residual."""
+  n = len(match_col)
+  row = adj_pos[u]
+  for v in range(n):
+    if row[v] > 0 and not visited[v]:
+      visited[v] = True
+      if match_col[v] < 0 or _augment(match_col[v], adj_pos, match_col,
+                                      match_row, visited):
+        match_row[u] = v
+        match_col[v] = u
+        return True
+  return False
+
+
+def bvn_decompose(padded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Integer Birkhoff-von Neumann decomposition of an equal-sum matrix.
+
+  Repeats: perfect matching on the support (Kuhn's augmenting paths, rows in
+  order, columns in order; the previous matching is kept and only the rows
+  whose matched entry became zero are re-augmented), weight = smallest
+  matched entry, subtract.  Each step zeroes an entry and lowers
+  ``edges - 2n + components`` by at least one, so there are at most
+  ``n^2 - 2n + 2`` stages.
+
+  Returns (matchings int64[S, n], weights int64[S]).
+  """
+  r = [list(map(int, row)) for row in np.asarray(padded, np.int64)]
+  n = len(r)
+  match_row = [-1] * n
+  match_col = [-1] * n
+  mats, ws = [], []
+  total = sum(r[0]) if n else 0
+  while total > 0:
+    for u in range(n):
+      if match_row[u] < 0:
+        visited = [False] * n
+        if not _augment(u, r, match_col, match_row, visited):
+          raise AssertionError("no perfect matching: matrix not equal-sum")
+    w = min(r[u][match_row[u]] for u in range(n))
+    mats.append(list(match_row))
+    ws.append(w)
+    total -= w
+    for u in range(n):
+      v = match_row[u]
+      r[u][v] -= w
+      if r[u][v] == 0:
+        match_row[u] = -1
+        match_col[v] = -1
+  return (np.asarray(mats, np.int64).reshape(len(ws), n),
+          np.asarray(ws, np.int64))
+
+
+def _unit_count(start: int, count: int, lane: int, off: int, m: int) -> int:
+  """How many units u in [start, start+count) satisfy (u + off) % m == lane."""
+  r = (lane - off) % m
+
+  def f(x):
+    return (x + m - 1 - r) // m
+
+  return f(start + count) - f(start)
+
+
+def fast_schedule(traffic, num_servers: int, gpus_per_server: int) -> Schedule:
+  """Builds the FAST schedule of ``traffic`` (int[G, G], G = n * M)."""
+  t = _check_traffic(traffic, num_servers, gpus_per_server)
+  n, m = int(num_servers), int(gpus_per_server)
+  d = server_matrix(t, n, m)
+  padded = pad_matrix(d)
+  bound = int(max(d.sum(0).max(initial=0), d.sum(1).max(initial=0)))
+  mats, ws = bvn_decompose(padded)
+
+  # 1. Balancing.  queues[a][b][l]: list of [flow, amount] GPU l of a carries
+  # to server b, in sending order.
+  balance: list[Transfer] = []
+  queues = [[None] * n for _ in range(n)]
+  for a in range(n):
+    for b in range(n):
+      if a == b:
+        continue
+      big = int(d[a, b])
+      off = (a + b) % m
+      held = []
+      for i in range(m):
+        g = a * m + i
+        held.append([[(g, b * m + h), int(t[g, b * m + h])]
+                     for h in range(m) if t[g, b * m + h] > 0])
+      have = [sum(x[1] for x in q) for q in held]
+      want = [_unit_count(0, big, l, off, m) for l in range(m)]
+      j = 0
+      for i in range(m):
+        while have[i] > want[i]:
+          while have[j] >= want[j]:
+            j += 1
+          x = min(have[i] - want[i], want[j] - have[j])
+          have[i] -= x
+          have[j] += x
+          moved = []
+          while x > 0:  # carve from the tail of GPU i's queue
+            piece = held[i][-1]
+            y = min(x, piece[1])
+            piece[1] -= y
+            x -= y
+            if piece[1] == 0:
+              held[i].pop()
+            moved.append((piece[0], y))
+          for flow, y in moved:
+            balance.append(Transfer(a * m + i, a * m + j, y, flow))
+            held[j].append([flow, y])
+      queues[a][b] = held
+
+  # 4. Intra-server part.
+  intra = [Transfer(g, h, int(t[g, h]), (g, h))
+           for g in range(n * m) for h in range(n * m)
+           if g != h and g // m == h // m and t[g, h] > 0]
+
+  stages = [Stage("balance", balance), Stage("intra", intra)]
+
+  # 2./3. BvN stages with per-stage redistribution.
+  remaining = d.copy()
+  sent = np.zeros((n, n), np.int64)
+  heads = {}  # (a, b, l) -> index of the queue's head piece
+  real = np.zeros((len(ws), n), np.int64)
+  for k in range(len(ws)):
+    out, red = [], []
+    for a in range(n):
+      b = int(mats[k, a])
+      if a == b:
+        continue
+      x = int(min(ws[k], remaining[a, b]))
+      if x == 0:
+        continue
+      real[k, a] = x
+      off = (a + b) % m
+      for l in range(m):
+        c = _unit_count(int(sent[a, b]), x, l, off, m)
+        q = queues[a][b][l]
+        h = heads.get((a, b, l), 0)
+        while c > 0:
+          flow, amt = q[h]
+          y = min(c, amt)
+          src, dst = a * m + l, b * m + l
+          out.append(Transfer(src, dst, y, flow))
+          if flow[1] != dst:
+            red.append(Transfer(dst, flow[1], y, flow))
+          c -= y
+          if y == amt:
+            h += 1
+          else:
+            q[h] = [flow, amt - y]
+        heads[(a, b, l)] = h
+      remaining[a, b] -= x
+      sent[a, b] += x
+    stages.append(Stage("scale_out", out, k))
+    stages.append(Stage("redistribute", red, k))
+  assert not remaining.any()
+  return Schedule(n, m, t, d, padded, bound, mats, ws, real, stages)
+
+
+def spreadout_time(matrix) -> int:
+  """Classic SpreadOut on a square matrix: sum over shifts i=1..N-1 of
+  ``max_s matrix[s, (s+i) % N]`` (the diagonal is local, not counted)."""
+  x = np.asarray(matrix, np.int64)
+  n = x.shape[0]
+  if x.ndim != 2 or x.shape[1] != n:
+    raise ValueError(f"matrix must be square, got shape {x.shape}")
+  s = np.arange(n)
+  return int(sum(x[s, (s + i) % n].max(initial=0) for i in range(1, n)))
+
+
+def spreadout_schedule(traffic) -> list[Stage]:
+  """SpreadOut at GPU level: stage i (1..G-1), GPU g sends T[g, (g+i) % G]."""
+  t = np.asarray(traffic, np.int64)
+  g = t.shape[0]
+  if t.ndim != 2 or t.shape[1] != g:
+    raise ValueError(f"traffic must be square, got shape {t.shape}")
+  return [Stage("spreadout", [Transfer(s, (s + i) % g, int(t[s, (s + i) % g]),
+                                        (s, (s + i) % g))
+                               for s in range(g) if t[s, (s + i) % g] > 0])
+          for i in range(1, g)]
+
+
+def simulate_delivery(traffic, stages: Sequence[Stage]) -> dict:
+  """Runs ``stages`` on per-GPU holdings; raises ValueError on a bad move.
+
+  Every transfer of a stage may only use data its source GPU held when the
+  stage began (transfers of one stage are concurrent).  Returns the final
+  holdings ``{(gpu, flow): amount}`` (zero entries dropped).  A correct
+  schedule ends with exactly ``{(dst, (src, dst)): T[src, dst]}``.
+  """
+  t = np.asarray(traffic, np.int64)
+  hold = {}
+  for s in range(t.shape[0]):
+    for d in range(t.shape[1]):
+      if t[s, d] > 0:
+        hold[(s, (s, d))] = int(t[s, d])
+  for si, st in enumerate(stages):
+    start = dict(hold)
+    for tr in st.transfers:
+      if tr.amount <= 0:
+        raise ValueError(f"stage {si}: non-positive amount in {tr}")
+      key = (tr.src_gpu, tr.flow)
+      if start.get(key, 0) < tr.amount:
+        raise ValueError(f"stage {si}: {tr} moves data GPU {tr.src_gpu} "
+                         "did not hold at the stage start")
+      start[key] -= tr.amount
+      hold[key] -= tr.amount
+      hold[(tr.dst_gpu, tr.flow)] = hold.get((tr.dst_gpu, tr.flow), 0) + tr.amount
+  return {k: v for k, v in hold.items() if v}
+
+
+def delivered_exactly(traffic, stages: Sequence[Stage]) -> bool:
+  """True iff every unit of every flow ends at its destination GPU once."""
+  t = np.asarray(traffic, np.int64)
+  want = {(d, (s, d)): int(t[s, d]) for s in range(t.shape[0])
+          for d in range(t.shape[1]) if t[s, d] > 0}
+  return simulate_delivery(t, stages) == want

@@ -1,0 +1,133 @@
+"""Properties of the pure-Python FAST scheduler (moe_jax.fast.reference)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from moe_jax.fast import reference as ref
+from moe_jax.fast import workloads
+
+
+@st.composite
+def traffic_cases(draw):
+  n = draw(st.integers(1, 8))
+  m = draw(st.integers(1, 8))
+  seed = draw(st.integers(0, 2**31 - 1))
+  kind = draw(st.sampled_from(["uniform", "zipf", "sparse"]))
+  rng = np.random.default_rng(seed)
+  g = n * m
+  if kind == "uniform":
+    t = workloads.uniform_matrix(rng, g, mean=draw(st.sampled_from([1, 5, 100])))
+  elif kind == "zipf":
+    t = workloads.zipf_matrix(rng, g, draw(st.floats(0.4, 0.9)),
+                              mean=draw(st.sampled_from([3, 50, 1000])))
+  else:
+    t = rng.integers(0, 20, (g, g)) * (rng.random((g, g)) < 0.15)
+  return t.astype(np.int64), n, m
+
+
+def _check(t, n, m):
+  s = ref.fast_schedule(t, n, m)
+  # Every unit of every flow arrives exactly once at its destination GPU.
+  assert ref.delivered_exactly(t, s.stages)
+  # Padded matrix: equal sums, dominates D; decomposition reconstructs it.
+  p = s.padded_matrix
+  assert (p >= s.server_matrix).all()
+  assert set(p.sum(0)) | set(p.sum(1)) <= {s.bound}
+  recon = np.zeros_like(p)
+  for perm, w in zip(s.matchings, s.weights):
+    assert sorted(perm.tolist()) == list(range(n))
+    assert w > 0
+    recon[np.arange(n), perm] += w
+  np.testing.assert_array_equal(recon, p)
+  # Stage count bound and optimal server-level time.
+  assert s.num_bvn_stages <= n * n - 2 * n + 2
+  assert int(s.server_stage_times().sum()) == s.bound
+  assert s.bound == ref.lower_bounds(t, n, m)["server"]
+  # Scale-out is one-to-one, peer-to-peer, and each GPU carries its share
+  # (w // M or w // M + 1 units) of every stage.
+  for stage in s.stages:
+    if stage.kind == "scale_out":
+      per_gpu = {}
+      for tr in stage.transfers:
+        assert tr.src_gpu % m == tr.dst_gpu % m
+        assert tr.src_gpu // m != tr.dst_gpu // m
+        assert s.matchings[stage.bvn_index, tr.src_gpu // m] == tr.dst_gpu // m
+        per_gpu[tr.src_gpu] = per_gpu.get(tr.src_gpu, 0) + tr.amount
+      w = int(s.weights[stage.bvn_index])
+      assert all(v <= -(-w // m) for v in per_gpu.values())
+    elif stage.kind in ("balance", "redistribute", "intra"):
+      for tr in stage.transfers:
+        assert tr.src_gpu // m == tr.dst_gpu // m
+  return s
+
+
+@given(traffic_cases())
+def test_fast_schedule_properties(case):
+  _check(*case)
+
+
+@given(traffic_cases())
+def test_balancing_equalises_per_gpu_volume(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  sent = np.zeros((n * m, n), np.int64)  # GPU -> destination server volume
+  for stage in s.stages:
+    if stage.kind == "scale_out":
+      for tr in stage.transfers:
+        sent[tr.src_gpu, tr.dst_gpu // m] += tr.amount
+  for a in range(n):
+    for b in range(n):
+      if a != b:
+        col = sent[a * m:(a + 1) * m, b]
+        assert col.sum() == s.server_matrix[a, b]
+        assert col.max() - col.min() <= 1
+
+
+@given(traffic_cases())
+def test_spreadout_delivers_and_is_no_faster_than_bound(case):
+  t, n, m = case
+  stages = ref.spreadout_schedule(t)
+  assert ref.delivered_exactly(t, stages)
+  d = ref.server_matrix(t, n, m)
+  assert ref.spreadout_time(d) >= ref.lower_bounds(t, n, m)["server"]
+  expected = sum(max((tr.amount for tr in st_.transfers), default=0)
+                 for st_ in stages)
+  assert ref.spreadout_time(t) == expected
+
+
+def test_spreadout_misses_bound_fast_hits_it():
+  # A 4-server matrix (like the paper's Fig. 9) where SpreadOut takes 17
+  # units and the bound (column 3) is 14.
+  d = np.array([[0, 3, 5, 6], [0, 0, 5, 6], [1, 2, 0, 2], [1, 5, 1, 0]])
+  t = d  # one GPU per server
+  s = ref.fast_schedule(t, 4, 1)
+  assert ref.delivered_exactly(t, s.stages)
+  assert int(s.server_stage_times().sum()) == s.bound == 14
+  assert ref.spreadout_time(d) == 17
+
+
+def test_delivery_check_catches_errors():
+  t = np.array([[0, 2], [3, 0]])
+  stages = ref.spreadout_schedule(t)
+  stages[0].transfers[0] = ref.Transfer(0, 1, 1, (0, 1))
+  assert not ref.delivered_exactly(t, stages)
+  with pytest.raises(ValueError, match="did not hold"):
+    ref.simulate_delivery(t, [ref.Stage("x", [ref.Transfer(1, 0, 5, (1, 0))])])
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="traffic must have shape"):
+    ref.fast_schedule(np.zeros((3, 3), int), 2, 2)
+  with pytest.raises(ValueError, match="non-negative"):
+    ref.fast_schedule(-np.ones((2, 2), int), 1, 2)
+  with pytest.raises(ValueError, match="num_servers"):
+    ref.fast_schedule(np.zeros((0, 0), int), 0, 2)
+  with pytest.raises(ValueError, match="gpus_per_server"):
+    ref.fast_schedule(np.zeros((2, 2), int), 2, 0)
+
+
+def test_empty_and_zero_traffic():
+  s = ref.fast_schedule(np.zeros((6, 6), int), 3, 2)
+  assert s.num_bvn_stages == 0 and s.bound == 0
+  assert ref.delivered_exactly(np.zeros((6, 6), int), s.stages)

@@ -139,7 +139,7 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
             if phase == "dispatch":
                 return send_window(x, plan, ctx, start=0, capacity=cap, spill_capacity=sp)
             rows = jnp.broadcast_to(x[:1], (ranks, cap + sp, x.shape[1]))
-            return return_window(rows, w, plan, ctx, start=0, capacity=cap)
+            return return_window(rows, w, plan, ctx, start=0)
         kw = dict(capacity=capacity, spill_capacity=spill)
         if noguard:
             plan = make_plan(ids, ranks, experts_per_rank)

@@ -99,18 +99,6 @@ class DispatchContext:
             return custom_calls.all_to_all(x, axis_name=self.axis_name)
         return jax.lax.all_to_all(x, self.axis_name, 0, 0, tiled=False)
 
-    def all_to_all_many(self, buffers: list[jax.Array]) -> list[jax.Array]:
-        """all_to_all of several [P, C_i, ...] buffers; on GPU with transport
-        "custom_call", one NCCL group carries them all (one latency)."""
-        if self.axis_name is None or self.num_ranks == 1:
-            return list(buffers)
-        if self.transport == "custom_call" and self.platform != "cpu":
-            live = [b for b in buffers if b.size]
-            moved = iter(custom_calls.nccl_all_to_all(*live, axis_name=self.axis_name)) \
-                if live else iter(())
-            return [next(moved) if b.size else b for b in buffers]
-        return [self.all_to_all(b) for b in buffers]
-
     def ragged_all_to_all(self, send, send_offsets, send_sizes, recv_offsets, recv_rows):
         """Moves only real rows; see custom_calls.ragged_all_to_all.
 

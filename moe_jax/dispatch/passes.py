@@ -91,29 +91,27 @@ def send_window(x: jax.Array, plan: DispatchPlan, ctx: DispatchContext, *, start
 
     Returns [P, capacity + spill_capacity, H]: row (src, c) holds stream
     position start + c of the (src -> this rank) stream, zero past its end.
+    With fixed-shape transports a spill window costs the same bytes whether
+    it travels beside the capped window or after it, so both are packed into
+    one buffer and cross ranks in a single all-to-all (one latency, no
+    concatenation or split).
     """
-    cap_buf, spill_buf = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
-                                  top_k=plan.top_k, start=start, capacity=capacity,
-                                  spill_capacity=spill_capacity)
-    received = ctx.all_to_all_many([cap_buf, spill_buf] if spill_capacity else [cap_buf])
-    return received[0] if len(received) == 1 else jnp.concatenate(received, axis=1)
+    width = capacity + spill_capacity
+    buf, _ = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
+                      top_k=plan.top_k, start=start, capacity=width, spill_capacity=0)
+    return ctx.all_to_all(buf)
 
 
 def return_window(out_rows: jax.Array, weights: jax.Array, plan: DispatchPlan,
-                  ctx: DispatchContext, *, start: int, capacity: int) -> jax.Array:
+                  ctx: DispatchContext, *, start: int) -> jax.Array:
     """Combine half of a pass: all-to-all back, then the weighted merge.
 
-    out_rows: [P, capacity + S, H] expert outputs in the layout send_window
-    delivered. Returns the partial output [T, H] float32 of the picks in
-    this pass.
+    out_rows: [P, W, H] expert outputs in the layout send_window delivered.
+    Returns the partial output [T, H] float32 of the picks in this pass.
     """
-    if out_rows.shape[1] > capacity:
-        cap_ret, spill_ret = ctx.all_to_all_many([out_rows[:, :capacity],
-                                                  out_rows[:, capacity:]])
-    else:
-        (cap_ret,) = ctx.all_to_all_many([out_rows])
-        spill_ret = jnp.zeros((out_rows.shape[0], 0) + out_rows.shape[2:], out_rows.dtype)
-    return ctx.combine(cap_ret, spill_ret, plan.dest, plan.pos, weights, start=start,
+    returned = ctx.all_to_all(out_rows)
+    none = jnp.zeros((out_rows.shape[0], 0) + out_rows.shape[2:], out_rows.dtype)
+    return ctx.combine(returned, none, plan.dest, plan.pos, weights, start=start,
                        out_dtype=jnp.float32)
 
 
@@ -141,7 +139,7 @@ def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
     local, canonical = locate_rows(src, q, recv_expert_counts)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
     out_rows = run_experts(flat, local, num_local, expert_fn).reshape(rows.shape)
-    partial = return_window(out_rows, weights, plan, ctx, start=start, capacity=capacity)
+    partial = return_window(out_rows, weights, plan, ctx, start=start)
     delivered = None
     if delivered_rows is not None:
         delivered = deliver(flat, canonical, recv_expert_counts, delivered_rows)

@@ -272,6 +272,20 @@ def main(argv):
     _write(results, devices, bandwidth, partial=stopped)
 
 
+def _source_digest() -> str:
+    """sha256 over the package's Python and C++/CUDA sources (which code ran)."""
+    import hashlib  # noqa: PLC0415
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder in ("moe_jax", "xla_ffi", "cuda"):
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, folder))):
+            for name in sorted(files):
+                if name.endswith((".py", ".cc", ".h", ".cu", ".cuh")):
+                    with open(os.path.join(dirpath, name), "rb") as f:
+                        digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
 def _write(results, devices, bandwidth, partial):
     os.makedirs(FLAGS.out, exist_ok=True)
     meta = dict(
@@ -279,7 +293,8 @@ def _write(results, devices, bandwidth, partial):
         command="python " + " ".join(sys.argv), host=socket.gethostname(),
         devices=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
         jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
-        moe_jax=mj.__version__, python=platform.python_version(),
+        moe_jax=mj.__version__, moe_jax_source_sha256=_source_digest(),
+        python=platform.python_version(),
         alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9, hidden=FLAGS.hidden,
         experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
         xla_flags=os.environ.get("XLA_FLAGS", ""))

@@ -1,0 +1,66 @@
+"""The C++ FAST scheduler (``moe_jax._fast``) behind the reference's API."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_jax.fast import reference as ref
+
+try:
+  from moe_jax import _fast  # type: ignore[attr-defined]
+except ImportError:  # extension not built
+  _fast = None
+
+_KINDS = ("balance", "intra")
+
+
+def available() -> bool:
+  return _fast is not None
+
+
+def _require():
+  if _fast is None:
+    raise ImportError("moe_jax._fast is not built; run `pip install "
+                      "--no-build-isolation -e .`")
+  return _fast
+
+
+def schedule_arrays(traffic, num_servers: int, gpus_per_server: int,
+                    with_transfers: bool = True) -> dict:
+  """Raw C++ result: dict of numpy arrays (see xla_ffi/fast/scheduler.h)."""
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  return _require().schedule(np.ascontiguousarray(t), int(num_servers),
+                             int(gpus_per_server), with_transfers)
+
+
+def fast_schedule(traffic, num_servers: int, gpus_per_server: int
+                  ) -> ref.Schedule:
+  """Same as ``reference.fast_schedule``, computed in C++."""
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  d = schedule_arrays(t, num_servers, gpus_per_server, True)
+  s = int(d["weights"].shape[0])
+  stages = [ref.Stage("balance", []), ref.Stage("intra", [])]
+  for k in range(s):
+    stages.append(ref.Stage("scale_out", [], k))
+    stages.append(ref.Stage("redistribute", [], k))
+  for st, src, dst, amt, fs, fd in d["transfers"].tolist():
+    stages[st].transfers.append(ref.Transfer(src, dst, amt, (fs, fd)))
+  return ref.Schedule(int(num_servers), int(gpus_per_server), t,
+                      d["server_matrix"], d["padded_matrix"], int(d["bound"]),
+                      d["matchings"], d["weights"], d["real"], stages)
+
+
+def time_schedule(traffic, num_servers: int, gpus_per_server: int,
+                  repeats: int, with_transfers: bool = True) -> np.ndarray:
+  """float64[repeats]: C++ wall time of each scheduler run, nanoseconds."""
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  return _require().time_schedule(np.ascontiguousarray(t), int(num_servers),
+                                  int(gpus_per_server), int(repeats),
+                                  with_transfers)
+
+
+def spreadout_time(matrix) -> int:
+  x = np.ascontiguousarray(np.asarray(matrix, np.int64))
+  if x.ndim != 2 or x.shape[0] != x.shape[1]:
+    raise ValueError(f"matrix must be square, got shape {x.shape}")
+  return int(_require().spreadout_time(x))

@@ -1,0 +1,291 @@
+#include "xla_ffi/fast/scheduler.h"
+
+#include <algorithm>
+
+namespace moe_jax::fast {
+namespace {
+
+// Units u in [start, start + count) with (u + off) % m == lane.
+inline int64_t UnitCount(int64_t start, int64_t count, int lane, int off,
+                         int m) {
+  const int64_t r = ((lane - off) % m + m) % m;
+  auto f = [&](int64_t x) { return (x + m - 1 - r) / m; };
+  return f(start + count) - f(start);
+}
+
+}  // namespace
+
+bool FastScheduler::Augment(int u) {
+  const int64_t* row = residual_.data() + static_cast<int64_t>(u) * n_;
+  for (int v = 0; v < n_; ++v) {
+    if (row[v] > 0 && !visited_[v]) {
+      visited_[v] = 1;
+      if (match_col_[v] < 0 || Augment(match_col_[v])) {
+        match_row_[u] = v;
+        match_col_[v] = u;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+void FastScheduler::Decompose(FastSchedule* out) {
+  const int n = n_;
+  residual_.assign(out->padded.begin(), out->padded.end());
+  match_row_.assign(n, -1);
+  match_col_.assign(n, -1);
+  visited_.assign(n, 0);
+  out->matchings.clear();
+  out->weights.clear();
+  int64_t total = 0;
+  for (int v = 0; v < n; ++v) total += residual_[v];
+  while (total > 0) {
+    for (int u = 0; u < n; ++u) {
+      if (match_row_[u] < 0) {
+        std::fill(visited_.begin(), visited_.end(), 0);
+        Augment(u);  // always succeeds: the residual has equal sums
+      }
+    }
+    int64_t w = residual_[match_row_[0]];
+    for (int u = 1; u < n; ++u) {
+      w = std::min(w, residual_[static_cast<int64_t>(u) * n + match_row_[u]]);
+    }
+    for (int u = 0; u < n; ++u) out->matchings.push_back(match_row_[u]);
+    out->weights.push_back(w);
+    total -= w;
+    for (int u = 0; u < n; ++u) {
+      const int v = match_row_[u];
+      int64_t& x = residual_[static_cast<int64_t>(u) * n + v];
+      x -= w;
+      if (x == 0) {
+        match_row_[u] = -1;
+        match_col_[v] = -1;
+      }
+    }
+  }
+  out->num_stages = static_cast<int>(out->weights.size());
+}
+
+std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
+                                    int gpus_per_server, bool with_transfers,
+                                    FastSchedule* out) {
+  if (num_servers < 1) return "num_servers must be >= 1";
+  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
+  const int n = n_ = num_servers;
+  const int m = m_ = gpus_per_server;
+  const int64_t g = static_cast<int64_t>(n) * m;
+  for (int64_t i = 0; i < g * g; ++i) {
+    if (traffic[i] < 0) return "traffic must be non-negative";
+  }
+  out->num_servers = n;
+  out->gpus_per_server = m;
+
+  // Server matrix.
+  out->server.assign(static_cast<size_t>(n) * n, 0);
+  for (int64_t s = 0; s < g; ++s) {
+    const int a = static_cast<int>(s / m);
+    const int64_t* row = traffic + s * g;
+    int64_t* drow = out->server.data() + static_cast<int64_t>(a) * n;
+    for (int b = 0; b < n; ++b) {
+      if (b == a) continue;
+      int64_t acc = 0;
+      const int64_t* tile = row + static_cast<int64_t>(b) * m;
+      for (int h = 0; h < m; ++h) acc += tile[h];
+      drow[b] += acc;
+    }
+  }
+
+  // Padding (greedy, rows then columns in order).
+  remaining_.assign(2 * static_cast<size_t>(n), 0);  // row, col deficits
+  int64_t* dr = remaining_.data();
+  int64_t* dc = dr + n;
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      const int64_t x = out->server[static_cast<int64_t>(a) * n + b];
+      dr[a] += x;
+      dc[b] += x;
+    }
+  }
+  int64_t big = 0;
+  for (int a = 0; a < 2 * n; ++a) big = std::max(big, dr[a]);
+  out->bound = big;
+  for (int a = 0; a < 2 * n; ++a) dr[a] = big - dr[a];
+  out->padded = out->server;
+  for (int i = 0, j = 0; i < n; ++i) {
+    while (dr[i] > 0) {
+      while (dc[j] == 0) ++j;
+      const int64_t x = std::min(dr[i], dc[j]);
+      out->padded[static_cast<int64_t>(i) * n + j] += x;
+      dr[i] -= x;
+      dc[j] -= x;
+    }
+  }
+
+  Decompose(out);
+
+  // Real units per stage (real data first, padding never moves).
+  const int S = out->num_stages;
+  out->real.assign(static_cast<size_t>(S) * n, 0);
+  remaining_.assign(out->server.begin(), out->server.end());
+  for (int k = 0; k < S; ++k) {
+    const int64_t w = out->weights[k];
+    for (int a = 0; a < n; ++a) {
+      const int b = static_cast<int>(out->matchings[static_cast<int64_t>(k) * n + a]);
+      if (a == b) continue;
+      int64_t& rem = remaining_[static_cast<int64_t>(a) * n + b];
+      const int64_t x = std::min(w, rem);
+      out->real[static_cast<int64_t>(k) * n + a] = x;
+      rem -= x;
+    }
+  }
+  out->transfers.clear();
+  if (with_transfers) BuildTransfers(traffic, out);
+  return {};
+}
+
+void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
+  const int n = n_, m = m_;
+  const int64_t g = static_cast<int64_t>(n) * m;
+  std::vector<int64_t>& tr = out->transfers;
+  auto emit = [&tr](int64_t stage, int64_t src, int64_t dst, int64_t amount,
+                    int64_t fs, int64_t fd) {
+    tr.push_back(stage);
+    tr.push_back(src);
+    tr.push_back(dst);
+    tr.push_back(amount);
+    tr.push_back(fs);
+    tr.push_back(fd);
+  };
+
+  // 1. Balancing: build every lane queue into pool_.
+  const size_t lanes = static_cast<size_t>(n) * n * m;
+  qbeg_.assign(lanes, 0);
+  qend_.assign(lanes, 0);
+  pool_.clear();
+  held_.resize(m);
+  have_.resize(m);
+  want_.resize(m);
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      if (a == b) continue;
+      const int64_t big = out->server[static_cast<int64_t>(a) * n + b];
+      const int off = (a + b) % m;
+      for (int i = 0; i < m; ++i) {
+        const int64_t s = static_cast<int64_t>(a) * m + i;
+        const int64_t* tile = traffic + s * g + static_cast<int64_t>(b) * m;
+        std::vector<Piece>& q = held_[i];
+        q.clear();
+        int64_t sum = 0;
+        for (int h = 0; h < m; ++h) {
+          if (tile[h] > 0) {
+            q.push_back({static_cast<int32_t>(s),
+                         static_cast<int32_t>(static_cast<int64_t>(b) * m + h),
+                         tile[h]});
+            sum += tile[h];
+          }
+        }
+        have_[i] = sum;
+        want_[i] = UnitCount(0, big, i, off, m);
+      }
+      int j = 0;
+      for (int i = 0; i < m; ++i) {
+        while (have_[i] > want_[i]) {
+          while (have_[j] >= want_[j]) ++j;
+          int64_t x = std::min(have_[i] - want_[i], want_[j] - have_[j]);
+          have_[i] -= x;
+          have_[j] += x;
+          std::vector<Piece>& src = held_[i];
+          std::vector<Piece>& dst = held_[j];
+          while (x > 0) {
+            Piece& p = src.back();
+            const int64_t y = std::min(x, p.amount);
+            p.amount -= y;
+            x -= y;
+            const Piece moved{p.flow_src, p.flow_dst, y};
+            if (p.amount == 0) src.pop_back();
+            emit(0, static_cast<int64_t>(a) * m + i,
+                 static_cast<int64_t>(a) * m + j, y, moved.flow_src,
+                 moved.flow_dst);
+            dst.push_back(moved);
+          }
+        }
+      }
+      for (int l = 0; l < m; ++l) {
+        const size_t lane = (static_cast<size_t>(a) * n + b) * m + l;
+        qbeg_[lane] = static_cast<int64_t>(pool_.size());
+        pool_.insert(pool_.end(), held_[l].begin(), held_[l].end());
+        qend_[lane] = static_cast<int64_t>(pool_.size());
+      }
+    }
+  }
+
+  // 4. Intra-server part.
+  for (int64_t s = 0; s < g; ++s) {
+    const int64_t base = (s / m) * m;
+    for (int64_t h = base; h < base + m; ++h) {
+      const int64_t x = traffic[s * g + h];
+      if (h != s && x > 0) emit(1, s, h, x, s, h);
+    }
+  }
+
+  // 2./3. Scale-out and redistribution per BvN stage.
+  const int S = out->num_stages;
+  sent_.assign(static_cast<size_t>(n) * n, 0);
+  std::vector<int64_t>& red = remaining_;  // reuse as scratch
+  for (int k = 0; k < S; ++k) {
+    red.clear();
+    for (int a = 0; a < n; ++a) {
+      const int64_t x = out->real[static_cast<int64_t>(k) * n + a];
+      if (x == 0) continue;
+      const int b = static_cast<int>(out->matchings[static_cast<int64_t>(k) * n + a]);
+      const int off = (a + b) % m;
+      int64_t& sent = sent_[static_cast<int64_t>(a) * n + b];
+      for (int l = 0; l < m; ++l) {
+        int64_t c = UnitCount(sent, x, l, off, m);
+        const size_t lane = (static_cast<size_t>(a) * n + b) * m + l;
+        int64_t h = qbeg_[lane];
+        const int64_t src = static_cast<int64_t>(a) * m + l;
+        const int64_t dst = static_cast<int64_t>(b) * m + l;
+        while (c > 0) {
+          Piece& p = pool_[h];
+          const int64_t y = std::min(c, p.amount);
+          emit(2 + 2 * static_cast<int64_t>(k), src, dst, y, p.flow_src,
+               p.flow_dst);
+          if (p.flow_dst != dst) {
+            red.push_back(dst);
+            red.push_back(p.flow_dst);
+            red.push_back(y);
+            red.push_back(p.flow_src);
+          }
+          c -= y;
+          if (y == p.amount) {
+            ++h;
+          } else {
+            p.amount -= y;
+          }
+        }
+        qbeg_[lane] = h;
+      }
+      sent += x;
+    }
+    for (size_t i = 0; i < red.size(); i += 4) {
+      emit(3 + 2 * static_cast<int64_t>(k), red[i], red[i + 1], red[i + 2],
+           red[i + 3], red[i + 1]);
+    }
+  }
+}
+
+int64_t SpreadOutTime(const int64_t* x, int n) {
+  int64_t total = 0;
+  for (int i = 1; i < n; ++i) {
+    int64_t best = 0;
+    for (int s = 0; s < n; ++s) {
+      best = std::max(best, x[static_cast<int64_t>(s) * n + (s + i) % n]);
+    }
+    total += best;
+  }
+  return total;
+}
+
+}  // namespace moe_jax::fast

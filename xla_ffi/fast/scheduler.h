@@ -1,0 +1,80 @@
+// FAST all-to-all(v) scheduler (Lei et al., NSDI '26), plain C++17.
+//
+// Same algorithm and tie-breaking as moe_jax/fast/reference.py, which
+// documents it: intra-server balancing (unit u of server pair (a, b) is
+// carried by local GPU (u + a + b) % M), greedy padding of the server matrix
+// to equal row/column sums, integer Birkhoff-von Neumann decomposition with
+// Kuhn augmenting paths that keeps the previous stage's matching and only
+// re-augments rows whose matched entry reached zero, per-stage scale-out
+// (peer GPU l -> l) and redistribution, and the intra-server part.
+//
+// A FastScheduler keeps its buffers between calls: scheduling matrices of
+// the same size again does not allocate.
+#ifndef MOE_JAX_XLA_FFI_FAST_SCHEDULER_H_
+#define MOE_JAX_XLA_FFI_FAST_SCHEDULER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe_jax::fast {
+
+// Columns of FastSchedule::transfers (row-major, kTransferCols per row).
+// stage: 0 balance, 1 intra, 2 + 2k scale-out of BvN stage k,
+// 3 + 2k redistribution of BvN stage k.
+enum TransferCol : int {
+  kStage = 0, kSrc, kDst, kAmount, kFlowSrc, kFlowDst, kTransferCols
+};
+
+struct FastSchedule {
+  int num_servers = 0;
+  int gpus_per_server = 0;
+  int64_t bound = 0;                 // max row/col sum of the server matrix
+  int num_stages = 0;                // BvN stages S
+  std::vector<int64_t> server;       // [n * n] server matrix D
+  std::vector<int64_t> padded;       // [n * n] D + padding
+  std::vector<int64_t> matchings;    // [S * n] destination server of a
+  std::vector<int64_t> weights;      // [S]
+  std::vector<int64_t> real;         // [S * n] real units a sends in stage k
+  std::vector<int64_t> transfers;    // [K * kTransferCols]
+};
+
+class FastScheduler {
+ public:
+  // traffic: row-major int64[G * G], G = num_servers * gpus_per_server,
+  // non-negative.  With with_transfers=false only the server-level part
+  // (server matrix, padding, decomposition, real per-stage units) is built.
+  // Returns an empty string on success, else an error message.
+  std::string Schedule(const int64_t* traffic, int num_servers,
+                       int gpus_per_server, bool with_transfers,
+                       FastSchedule* out);
+
+ private:
+  struct Piece {
+    int32_t flow_src;
+    int32_t flow_dst;
+    int64_t amount;
+  };
+  bool Augment(int u);
+  void Decompose(FastSchedule* out);
+  void BuildTransfers(const int64_t* traffic, FastSchedule* out);
+
+  int n_ = 0;
+  int m_ = 0;
+  std::vector<int64_t> residual_;
+  std::vector<int> match_row_, match_col_;
+  std::vector<char> visited_;
+  std::vector<Piece> pool_;            // all lane queues, back to back
+  std::vector<int64_t> qbeg_, qend_;   // [n * n * M] queue bounds in pool_
+  std::vector<std::vector<Piece>> held_;  // [M] scratch for one tile
+  std::vector<int64_t> have_, want_;
+  std::vector<int64_t> remaining_, sent_;
+};
+
+// SpreadOut time of a square int64[N * N] matrix: sum over shifts
+// i = 1..N-1 of max_s x[s, (s + i) % N].
+int64_t SpreadOutTime(const int64_t* x, int n);
+
+}  // namespace moe_jax::fast
+
+#endif  // MOE_JAX_XLA_FFI_FAST_SCHEDULER_H_

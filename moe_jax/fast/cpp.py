@@ -43,7 +43,8 @@ def fast_schedule(traffic, num_servers: int, gpus_per_server: int
   for k in range(s):
     stages.append(ref.Stage("scale_out", [], k))
     stages.append(ref.Stage("redistribute", [], k))
-  for st, src, dst, amt, fs, fd in d["transfers"].tolist():
+  rows = np.concatenate([d["transfers"], d["redistribution"]]).tolist()
+  for st, src, dst, amt, fs, fd in rows:
     stages[st].transfers.append(ref.Transfer(src, dst, amt, (fs, fd)))
   return ref.Schedule(int(num_servers), int(gpus_per_server), t,
                       d["server_matrix"], d["padded_matrix"], int(d["bound"]),

@@ -1,7 +1,7 @@
 // Python extension moe_jax._fast: the C++ FAST scheduler.
 //   out = schedule(traffic_int64[G, G], num_servers, gpus_per_server)
-//   out["transfers"]: int64[K, 6] rows (stage, src, dst, amount, flow_src,
-//   flow_dst); see xla_ffi/fast/scheduler.h.  moe_jax/fast/cpp.py wraps it
+//   out["transfers"], out["redistribution"]: int64[K, 6] rows (stage, src,
+//   dst, amount, flow_src, flow_dst); see xla_ffi/fast/scheduler.h.  moe_jax/fast/cpp.py wraps it
 //   into the reference's Schedule object.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -73,8 +73,13 @@ NB_MODULE(_fast, m) {
         d["matchings"] = ToNumpy(std::move(out.matchings), {s, n});
         d["weights"] = ToNumpy(std::move(out.weights), {s});
         d["real"] = ToNumpy(std::move(out.real), {s, n});
+        const size_t r =
+            out.redistribution.size() / moe_jax::fast::kTransferCols;
         d["transfers"] = ToNumpy(std::move(out.transfers),
                                  {k, size_t{moe_jax::fast::kTransferCols}});
+        d["redistribution"] =
+            ToNumpy(std::move(out.redistribution),
+                    {r, size_t{moe_jax::fast::kTransferCols}});
         return d;
       },
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),

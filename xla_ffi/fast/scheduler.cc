@@ -140,6 +140,7 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
     }
   }
   out->transfers.clear();
+  out->redistribution.clear();
   if (with_transfers) BuildTransfers(traffic, out);
   return {};
 }
@@ -229,34 +230,56 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
     }
   }
 
-  // 2./3. Scale-out and redistribution per BvN stage.
+  // 2./3. Scale-out and redistribution per BvN stage.  Redistribution rows
+  // go to out->redistribution so each stage is written in one pass.
   const int S = out->num_stages;
   sent_.assign(static_cast<size_t>(n) * n, 0);
-  std::vector<int64_t>& red = remaining_;  // reuse as scratch
+  std::vector<int64_t>& red = out->redistribution;
+  red.clear();
   for (int k = 0; k < S; ++k) {
-    red.clear();
+    const int64_t out_stage = 2 + 2 * static_cast<int64_t>(k);
+    const int64_t* match = out->matchings.data() + static_cast<int64_t>(k) * n;
     for (int a = 0; a < n; ++a) {
+      // The pairs of a stage are scattered over the queues: fetch the queue
+      // bounds two servers ahead and the head pieces one server ahead.
+      if (a + 2 < n) {
+        __builtin_prefetch(qbeg_.data() + (static_cast<size_t>(a + 2) * n +
+                                           match[a + 2]) * m);
+      }
+      if (a + 1 < n) {
+        const int64_t* nb =
+            qbeg_.data() + (static_cast<size_t>(a + 1) * n + match[a + 1]) * m;
+        for (int l = 0; l < m; ++l) __builtin_prefetch(pool_.data() + nb[l]);
+      }
       const int64_t x = out->real[static_cast<int64_t>(k) * n + a];
       if (x == 0) continue;
-      const int b = static_cast<int>(out->matchings[static_cast<int64_t>(k) * n + a]);
-      const int off = (a + b) % m;
+      const int b = static_cast<int>(match[a]);
       int64_t& sent = sent_[static_cast<int64_t>(a) * n + b];
+      // Units sent..sent+x-1; unit u goes to lane (u + a + b) % m: every
+      // lane gets x / m, the x % m lanes from first_lane on get one more.
+      const int64_t q = x / m;
+      const int rem = static_cast<int>(x % m);
+      const int first_lane = static_cast<int>((sent + a + b) % m);
+      const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
       for (int l = 0; l < m; ++l) {
-        int64_t c = UnitCount(sent, x, l, off, m);
-        const size_t lane = (static_cast<size_t>(a) * n + b) * m + l;
+        int d = l - first_lane;
+        if (d < 0) d += m;
+        int64_t c = q + (d < rem ? 1 : 0);
+        const size_t lane = lane0 + l;
         int64_t h = qbeg_[lane];
         const int64_t src = static_cast<int64_t>(a) * m + l;
         const int64_t dst = static_cast<int64_t>(b) * m + l;
         while (c > 0) {
           Piece& p = pool_[h];
           const int64_t y = std::min(c, p.amount);
-          emit(2 + 2 * static_cast<int64_t>(k), src, dst, y, p.flow_src,
-               p.flow_dst);
+          emit(out_stage, src, dst, y, p.flow_src, p.flow_dst);
           if (p.flow_dst != dst) {
+            red.push_back(out_stage + 1);
             red.push_back(dst);
             red.push_back(p.flow_dst);
             red.push_back(y);
             red.push_back(p.flow_src);
+            red.push_back(p.flow_dst);
           }
           c -= y;
           if (y == p.amount) {
@@ -268,10 +291,6 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
         qbeg_[lane] = h;
       }
       sent += x;
-    }
-    for (size_t i = 0; i < red.size(); i += 4) {
-      emit(3 + 2 * static_cast<int64_t>(k), red[i], red[i + 1], red[i + 2],
-           red[i + 3], red[i + 1]);
     }
   }
 }

@@ -36,7 +36,10 @@ struct FastSchedule {
   std::vector<int64_t> matchings;    // [S * n] destination server of a
   std::vector<int64_t> weights;      // [S]
   std::vector<int64_t> real;         // [S * n] real units a sends in stage k
-  std::vector<int64_t> transfers;    // [K * kTransferCols]
+  // [K * kTransferCols]: balance, intra and scale-out rows, by stage.
+  std::vector<int64_t> transfers;
+  // [R * kTransferCols]: redistribution rows (stage 3 + 2k), by stage.
+  std::vector<int64_t> redistribution;
 };
 
 class FastScheduler {

@@ -89,7 +89,7 @@ class DecoderConfig:
     top_k: int = 2
     ffn_size: int = 64
     max_len: int = 32
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     strategy: str = "dense"

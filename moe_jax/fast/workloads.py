@@ -22,13 +22,15 @@ def uniform_matrix(rng: np.random.Generator, num_gpus: int,
 
 
 def zipf_matrix(rng: np.random.Generator, num_gpus: int, skew: float,
-                mean: float = 1000.0) -> np.ndarray:
+                mean: float = 1000.0, scope: str = "global") -> np.ndarray:
   """int64[G, G]: Zipf-skewed sizes.
 
-  The G^2 entries get sizes proportional to ``1 / k**skew`` for ranks
-  ``k = 1 .. G^2`` in random positions, scaled so the mean entry is ``mean``
-  (rounded down).  ``skew = 0`` is a constant matrix; larger skew gives a
-  few elephant flows and many mice.
+  ``scope="global"``: the G^2 entries get sizes proportional to
+  ``1 / k**skew`` for ranks ``k = 1 .. G^2`` in random positions (skew of
+  senders and receivers; the largest flow grows with G).  ``scope="row"``:
+  each source GPU ranks its own G destinations the same way (every sender
+  sends the same total; receivers are skewed).  Scaled so the mean entry is
+  ``mean`` (rounded down).  ``skew = 0`` is a constant matrix.
   """
   if num_gpus < 1:
     raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -36,8 +38,12 @@ def zipf_matrix(rng: np.random.Generator, num_gpus: int, skew: float,
     raise ValueError(f"skew must be >= 0, got {skew}")
   if mean < 0:
     raise ValueError(f"mean must be >= 0, got {mean}")
-  k = np.arange(1, num_gpus * num_gpus + 1, dtype=np.float64)
+  if scope not in ("global", "row"):
+    raise ValueError(f"scope must be 'global' or 'row', got {scope!r}")
+  size = num_gpus * num_gpus if scope == "global" else num_gpus
+  k = np.arange(1, size + 1, dtype=np.float64)
   w = k ** (-float(skew))
-  w *= mean * w.size / w.sum()
-  return rng.permutation(np.floor(w).astype(np.int64)).reshape(num_gpus,
-                                                               num_gpus)
+  w = np.floor(w * (mean * w.size / w.sum())).astype(np.int64)
+  if scope == "global":
+    return rng.permutation(w).reshape(num_gpus, num_gpus)
+  return np.stack([rng.permutation(w) for _ in range(num_gpus)])

@@ -7,6 +7,7 @@
 #include <nanobind/ndarray.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -21,6 +22,14 @@ namespace {
 
 using Matrix = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig,
                            nb::device::cpu>;
+
+nb::object ToNumpy(moe_jax::fast::RowBuffer&& v, std::vector<size_t> shape) {
+  int64_t* data = v.Release();
+  if (data == nullptr) data = static_cast<int64_t*>(std::malloc(8));
+  nb::capsule owner(data, [](void* p) noexcept { std::free(p); });
+  return nb::cast(
+      nb::ndarray<nb::numpy, int64_t>(data, shape.size(), shape.data(), owner));
+}
 
 template <typename T>
 nb::object ToNumpy(std::vector<T>&& v, std::vector<size_t> shape) {

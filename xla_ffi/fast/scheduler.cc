@@ -148,15 +148,16 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
 void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
-  std::vector<int64_t>& tr = out->transfers;
+  RowBuffer& tr = out->transfers;
   auto emit = [&tr](int64_t stage, int64_t src, int64_t dst, int64_t amount,
                     int64_t fs, int64_t fd) {
-    tr.push_back(stage);
-    tr.push_back(src);
-    tr.push_back(dst);
-    tr.push_back(amount);
-    tr.push_back(fs);
-    tr.push_back(fd);
+    int64_t* w = tr.Append(kTransferCols);
+    w[kStage] = stage;
+    w[kSrc] = src;
+    w[kDst] = dst;
+    w[kAmount] = amount;
+    w[kFlowSrc] = fs;
+    w[kFlowDst] = fd;
   };
 
   // 1. Balancing: build every lane queue into pool_.
@@ -234,8 +235,7 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   // go to out->redistribution so each stage is written in one pass.
   const int S = out->num_stages;
   sent_.assign(static_cast<size_t>(n) * n, 0);
-  std::vector<int64_t>& red = out->redistribution;
-  red.clear();
+  RowBuffer& red = out->redistribution;
   for (int k = 0; k < S; ++k) {
     const int64_t out_stage = 2 + 2 * static_cast<int64_t>(k);
     const int64_t* match = out->matchings.data() + static_cast<int64_t>(k) * n;
@@ -274,12 +274,13 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
           const int64_t y = std::min(c, p.amount);
           emit(out_stage, src, dst, y, p.flow_src, p.flow_dst);
           if (p.flow_dst != dst) {
-            red.push_back(out_stage + 1);
-            red.push_back(dst);
-            red.push_back(p.flow_dst);
-            red.push_back(y);
-            red.push_back(p.flow_src);
-            red.push_back(p.flow_dst);
+            int64_t* w = red.Append(kTransferCols);
+            w[kStage] = out_stage + 1;
+            w[kSrc] = dst;
+            w[kDst] = p.flow_dst;
+            w[kAmount] = y;
+            w[kFlowSrc] = p.flow_src;
+            w[kFlowDst] = p.flow_dst;
           }
           c -= y;
           if (y == p.amount) {

@@ -14,10 +14,51 @@
 #define MOE_JAX_XLA_FFI_FAST_SCHEDULER_H_
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
 namespace moe_jax::fast {
+
+// Growable int64 array without value-initialisation (rows are written
+// through Append's pointer); keeps its capacity across clear().
+class RowBuffer {
+ public:
+  int64_t* data() { return data_.get(); }
+  size_t size() const { return size_; }
+  void clear() { size_ = 0; }
+  // Pointer to k new, uninitialised slots at the end.
+  int64_t* Append(size_t k) {
+    if (size_ + k > capacity_) Grow(size_ + k);
+    int64_t* p = data_.get() + size_;
+    size_ += k;
+    return p;
+  }
+  // Hands the storage to the caller (freed with std::free).
+  int64_t* Release() {
+    capacity_ = size_ = 0;
+    return data_.release();
+  }
+
+ private:
+  struct Free {
+    void operator()(int64_t* p) const { std::free(p); }
+  };
+  void Grow(size_t need) {
+    size_t cap = capacity_ < 4096 ? 4096 : capacity_;
+    while (cap < need) cap *= 2;
+    void* p = std::realloc(data_.get(), cap * sizeof(int64_t));
+    if (p == nullptr) throw std::bad_alloc();
+    data_.release();
+    data_.reset(static_cast<int64_t*>(p));
+    capacity_ = cap;
+  }
+  std::unique_ptr<int64_t, Free> data_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
 
 // Columns of FastSchedule::transfers (row-major, kTransferCols per row).
 // stage: 0 balance, 1 intra, 2 + 2k scale-out of BvN stage k,
@@ -37,9 +78,9 @@ struct FastSchedule {
   std::vector<int64_t> weights;      // [S]
   std::vector<int64_t> real;         // [S * n] real units a sends in stage k
   // [K * kTransferCols]: balance, intra and scale-out rows, by stage.
-  std::vector<int64_t> transfers;
+  RowBuffer transfers;
   // [R * kTransferCols]: redistribution rows (stage 3 + 2k), by stage.
-  std::vector<int64_t> redistribution;
+  RowBuffer redistribution;
 };
 
 class FastScheduler {

@@ -93,15 +93,16 @@ def run_runtime(rng):
       mats = [_workload(rng, kind, g, 1000.0) for _ in range(FLAGS.matrices)]
       row = dict(gpus=g, servers=n, workload=kind,
                  paper_us=PAPER_US.get(g))
-      for mode, full in (("server_level", False), ("full", True)):
+      for mode, full, gpu in (("server_level", False, -1),
+                              ("per_gpu", True, 0), ("full", True, -1)):
         # Calibrate repeats so each configuration takes about the budget.
         t0 = time.perf_counter()
-        cpp.time_schedule(mats[0], n, m, 1, full)
+        cpp.time_schedule(mats[0], n, m, 1, full, gpu)
         one = max(time.perf_counter() - t0, 1e-7)
         reps = int(np.clip(FLAGS.seconds_per_config / 2 / len(mats) / one, 5,
                            FLAGS.max_repeats))
         samples = np.concatenate(
-            [cpp.time_schedule(t, n, m, reps, full) for t in mats]) / 1e3
+            [cpp.time_schedule(t, n, m, reps, full, gpu) for t in mats]) / 1e3
         row[mode] = dict(median_us=float(np.median(samples)),
                          p10_us=float(np.percentile(samples, 10)),
                          p90_us=float(np.percentile(samples, 90)),
@@ -112,7 +113,8 @@ def run_runtime(rng):
                              d["redistribution"].shape[0])
       results.append(row)
       print(f"runtime G={g} {kind}: server-level "
-            f"{row['server_level']['median_us']:.1f} us, full "
+            f"{row['server_level']['median_us']:.1f} us, per-GPU "
+            f"{row['per_gpu']['median_us']:.1f} us, full "
             f"{row['full']['median_us']:.1f} us, paper {row['paper_us']}",
             flush=True)
   return results
@@ -131,24 +133,33 @@ def write_runtime(results, meta):
            f"{FLAGS.zipf_skew}, global ranks), median of all timed runs; "
            "buffers reused between runs",
            "- `server-level`: server matrix, padding, Birkhoff-von Neumann "
-           "stages and real units per stage (what fixes the stage sizes); "
-           "`full`: plus balancing and every scale-out / redistribution / "
-           "intra transfer with its original (src, dst) flow",
+           "stages and real units per stage (with the documented rounding "
+           "rule this fixes every GPU's per-stage volume); `per-GPU`: plus "
+           "the flow-level transfers GPU 0 sends or receives (what one rank "
+           "executes; each rank computes its own); `full`: every transfer of "
+           "every GPU (balance, intra, scale-out, redistribution) with its "
+           "original (src, dst) flow",
            "- paper: FAST (NSDI '26) section 4.4 / Figure 16, Xeon Platinum "
            "8468; its 16-GPU number is from the SyCCL comparison", "",
-           "| GPUs | workload | BvN stages | transfers | server-level median (us) "
-           "| full median (us) | full p90 (us) | paper (us) | paper / full "
-           "| paper / server-level |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| GPUs | workload | BvN stages | transfers (all GPUs) | "
+           "server-level (us) | per-GPU (us) | full (us) | full p90 (us) | "
+           "paper (us) | paper / server-level | paper / per-GPU | "
+           "paper / full |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+           "| --- |"]
   for r in results:
     p = r["paper_us"]
-    sl, fu = r["server_level"]["median_us"], r["full"]["median_us"]
+    sl, pg, fu = (r[k]["median_us"] for k in ("server_level", "per_gpu",
+                                               "full"))
+
+    def ratio(x):
+      return "—" if p is None else f"{p / x:.1f}x"
+
     lines.append(
         f"| {r['gpus']} | {r['workload']} | {r['bvn_stages']} | "
-        f"{r['transfers']} | {sl:.1f} | {fu:.1f} | "
+        f"{r['transfers']} | {sl:.1f} | {pg:.1f} | {fu:.1f} | "
         f"{r['full']['p90_us']:.1f} | {'—' if p is None else p} | "
-        f"{'—' if p is None else f'{p / fu:.1f}x'} | "
-        f"{'—' if p is None else f'{p / sl:.0f}x'} |")
+        f"{ratio(sl)} | {ratio(pg)} | {ratio(fu)} |")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
 
@@ -204,7 +215,7 @@ def write_simulation(results, meta, fabric):
            "- bound: heaviest server's inter-server bytes / (M x scale-out "
            "bandwidth), infinitely fast scale-up (the paper's optimum); "
            "`FAST+sched` adds the C++ scheduler median measured here "
-           "(`zipf_row` uses the `zipf` runtime); direct: every flow at once, "
+           "(full schedule; `zipf_row` uses the `zipf` runtime); direct: every flow at once, "
            "fluid sharing, no incast loss (optimistic)", "",
            "| workload | GPUs | BvN stages | bound (ms) | FAST / bound | "
            "FAST+sched / bound | SpreadOut / bound | direct / bound | "

@@ -91,3 +91,18 @@ def test_cpp_bad_arguments():
     cpp.fast_schedule(-np.ones((2, 2), np.int64), 1, 2)
   with pytest.raises(ValueError, match="square"):
     cpp.spreadout_time(np.zeros((2, 3), np.int64))
+
+
+@given(traffic_cases(), st.integers(0, 63))
+def test_cpp_per_gpu_rows_are_the_full_rows_of_that_gpu(case, pick):
+  t, n, m = case
+  gpu = pick % (n * m)
+  full = cpp.schedule_arrays(t, n, m)
+  one = cpp.schedule_arrays(t, n, m, gpu=gpu)
+  for key in ("transfers", "redistribution"):
+    f = full[key]
+    np.testing.assert_array_equal(one[key],
+                                  f[(f[:, 1] == gpu) | (f[:, 2] == gpu)])
+  np.testing.assert_array_equal(one["matchings"], full["matchings"])
+  with pytest.raises(ValueError, match="gpu must be"):
+    cpp.schedule_arrays(t, n, m, gpu=n * m)

@@ -26,11 +26,18 @@ def _require():
 
 
 def schedule_arrays(traffic, num_servers: int, gpus_per_server: int,
-                    with_transfers: bool = True) -> dict:
-  """Raw C++ result: dict of numpy arrays (see xla_ffi/fast/scheduler.h)."""
+                    with_transfers: bool = True, gpu: int = -1) -> dict:
+  """Raw C++ result: dict of numpy arrays (see xla_ffi/fast/scheduler.h).
+
+  Keys: bound, server_matrix, padded_matrix, matchings, weights, real,
+  transfers and redistribution (int64[K, 6] rows: stage, src, dst, amount,
+  flow_src, flow_dst; stage 0 balance, 1 intra, 2 + 2k scale-out and
+  3 + 2k redistribution of BvN stage k).  ``gpu >= 0`` keeps only the rows
+  that GPU sends or receives (what one rank executes).
+  """
   t = ref._check_traffic(traffic, num_servers, gpus_per_server)
   return _require().schedule(np.ascontiguousarray(t), int(num_servers),
-                             int(gpus_per_server), with_transfers)
+                             int(gpus_per_server), with_transfers, int(gpu))
 
 
 def fast_schedule(traffic, num_servers: int, gpus_per_server: int
@@ -52,12 +59,13 @@ def fast_schedule(traffic, num_servers: int, gpus_per_server: int
 
 
 def time_schedule(traffic, num_servers: int, gpus_per_server: int,
-                  repeats: int, with_transfers: bool = True) -> np.ndarray:
+                  repeats: int, with_transfers: bool = True,
+                  gpu: int = -1) -> np.ndarray:
   """float64[repeats]: C++ wall time of each scheduler run, nanoseconds."""
   t = ref._check_traffic(traffic, num_servers, gpus_per_server)
   return _require().time_schedule(np.ascontiguousarray(t), int(num_servers),
                                   int(gpus_per_server), int(repeats),
-                                  with_transfers)
+                                  with_transfers, int(gpu))
 
 
 def spreadout_time(matrix) -> int:

@@ -63,14 +63,15 @@ NB_MODULE(_fast, m) {
   m.def(
       "schedule",
       [](Matrix traffic, int num_servers, int gpus_per_server,
-         bool with_transfers) {
+         bool with_transfers, int64_t gpu) {
         CheckShape(traffic, num_servers, gpus_per_server);
         FastSchedule out;
         std::string err;
         {
           nb::gil_scoped_release release;
           err = Scheduler().Schedule(traffic.data(), num_servers,
-                                     gpus_per_server, with_transfers, &out);
+                                     gpus_per_server, with_transfers, &out,
+                                     gpu);
         }
         if (!err.empty()) throw nb::value_error(err.c_str());
         const size_t n = num_servers, s = out.num_stages;
@@ -92,12 +93,13 @@ NB_MODULE(_fast, m) {
         return d;
       },
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
-      nb::arg("with_transfers") = true,
-      "Schedules int64[G, G] traffic; returns a dict of numpy arrays.");
+      nb::arg("with_transfers") = true, nb::arg("gpu") = -1,
+      "Schedules int64[G, G] traffic; returns a dict of numpy arrays. "
+      "gpu >= 0 keeps only the transfers that GPU sends or receives.");
   m.def(
       "time_schedule",
       [](Matrix traffic, int num_servers, int gpus_per_server, int repeats,
-         bool with_transfers) {
+         bool with_transfers, int64_t gpu) {
         CheckShape(traffic, num_servers, gpus_per_server);
         if (repeats < 1) throw nb::value_error("repeats must be >= 1");
         std::vector<double> ns(repeats);
@@ -108,7 +110,8 @@ NB_MODULE(_fast, m) {
           for (int r = 0; r < repeats && err.empty(); ++r) {
             const auto t0 = std::chrono::steady_clock::now();
             err = Scheduler().Schedule(traffic.data(), num_servers,
-                                       gpus_per_server, with_transfers, &out);
+                                       gpus_per_server, with_transfers, &out,
+                                       gpu);
             const auto t1 = std::chrono::steady_clock::now();
             ns[r] = std::chrono::duration<double, std::nano>(t1 - t0).count();
           }
@@ -118,6 +121,7 @@ NB_MODULE(_fast, m) {
       },
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       nb::arg("repeats"), nb::arg("with_transfers") = true,
+      nb::arg("gpu") = -1,
       "Runs the scheduler `repeats` times (buffers reused, as in a serving "
       "loop); returns the wall time of each run in nanoseconds.");
   m.def(

@@ -69,12 +69,14 @@ void FastScheduler::Decompose(FastSchedule* out) {
 
 std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
                                     int gpus_per_server, bool with_transfers,
-                                    FastSchedule* out) {
+                                    FastSchedule* out, int64_t gpu) {
   if (num_servers < 1) return "num_servers must be >= 1";
   if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
   const int n = n_ = num_servers;
   const int m = m_ = gpus_per_server;
   const int64_t g = static_cast<int64_t>(n) * m;
+  if (gpu < -1 || gpu >= g) return "gpu must be -1 (all) or in [0, G)";
+  gpu_ = gpu;
   for (int64_t i = 0; i < g * g; ++i) {
     if (traffic[i] < 0) return "traffic must be non-negative";
   }
@@ -149,8 +151,14 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
   RowBuffer& tr = out->transfers;
-  auto emit = [&tr](int64_t stage, int64_t src, int64_t dst, int64_t amount,
-                    int64_t fs, int64_t fd) {
+  // With gpu_ >= 0 only rows that gpu_ sends or receives are kept, and only
+  // the tiles of its server (as source or destination) are expanded.
+  const int64_t only = gpu_;
+  const int gs = gpu_ >= 0 ? static_cast<int>(gpu_ / m) : -1;
+  const int gl = gpu_ >= 0 ? static_cast<int>(gpu_ % m) : -1;
+  auto emit = [&tr, only](int64_t stage, int64_t src, int64_t dst,
+                          int64_t amount, int64_t fs, int64_t fd) {
+    if (only >= 0 && src != only && dst != only) return;
     int64_t* w = tr.Append(kTransferCols);
     w[kStage] = stage;
     w[kSrc] = src;
@@ -170,7 +178,7 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   want_.resize(m);
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
-      if (a == b) continue;
+      if (a == b || (gs >= 0 && a != gs && b != gs)) continue;
       const int64_t big = out->server[static_cast<int64_t>(a) * n + b];
       const int off = (a + b) % m;
       for (int i = 0; i < m; ++i) {
@@ -223,7 +231,8 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   }
 
   // 4. Intra-server part.
-  for (int64_t s = 0; s < g; ++s) {
+  for (int64_t s = gs >= 0 ? int64_t{gs} * m : 0;
+       s < (gs >= 0 ? int64_t{gs + 1} * m : g); ++s) {
     const int64_t base = (s / m) * m;
     for (int64_t h = base; h < base + m; ++h) {
       const int64_t x = traffic[s * g + h];
@@ -254,6 +263,11 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
       const int64_t x = out->real[static_cast<int64_t>(k) * n + a];
       if (x == 0) continue;
       const int b = static_cast<int>(match[a]);
+      if (gs >= 0 && a != gs && b != gs) continue;
+      // Sending server only: just gpu_'s lane.  Receiving server: every
+      // lane (any of them may forward to gpu_).
+      const int l_begin = (gs >= 0 && b != gs) ? gl : 0;
+      const int l_end = (gs >= 0 && b != gs) ? gl + 1 : m;
       int64_t& sent = sent_[static_cast<int64_t>(a) * n + b];
       // Units sent..sent+x-1; unit u goes to lane (u + a + b) % m: every
       // lane gets x / m, the x % m lanes from first_lane on get one more.
@@ -261,7 +275,7 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
       const int rem = static_cast<int>(x % m);
       const int first_lane = static_cast<int>((sent + a + b) % m);
       const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
-      for (int l = 0; l < m; ++l) {
+      for (int l = l_begin; l < l_end; ++l) {
         int d = l - first_lane;
         if (d < 0) d += m;
         int64_t c = q + (d < rem ? 1 : 0);
@@ -273,7 +287,8 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
           Piece& p = pool_[h];
           const int64_t y = std::min(c, p.amount);
           emit(out_stage, src, dst, y, p.flow_src, p.flow_dst);
-          if (p.flow_dst != dst) {
+          if (p.flow_dst != dst &&
+              (only < 0 || dst == only || p.flow_dst == only)) {
             int64_t* w = red.Append(kTransferCols);
             w[kStage] = out_stage + 1;
             w[kSrc] = dst;

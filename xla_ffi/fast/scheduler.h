@@ -88,10 +88,13 @@ class FastScheduler {
   // traffic: row-major int64[G * G], G = num_servers * gpus_per_server,
   // non-negative.  With with_transfers=false only the server-level part
   // (server matrix, padding, decomposition, real per-stage units) is built.
+  // gpu >= 0: keep only the transfers GPU `gpu` sends or receives (what
+  // one rank needs to execute its part; the server-level arrays are the
+  // same), expanding only its server's tiles.
   // Returns an empty string on success, else an error message.
   std::string Schedule(const int64_t* traffic, int num_servers,
                        int gpus_per_server, bool with_transfers,
-                       FastSchedule* out);
+                       FastSchedule* out, int64_t gpu = -1);
 
  private:
   struct Piece {
@@ -105,6 +108,7 @@ class FastScheduler {
 
   int n_ = 0;
   int m_ = 0;
+  int64_t gpu_ = -1;
   std::vector<int64_t> residual_;
   std::vector<int> match_row_, match_col_;
   std::vector<char> visited_;

@@ -453,10 +453,8 @@ class MixtralNnx(nnx.Module):
                                            cfg.param_dtype))
         self.layers = nnx.List([_NnxBlock(cfg, mesh, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), cfg.param_dtype))
-        self.lm_head = None
-        if not cfg.tie_embeddings:
-            self.lm_head = nnx.Param(_normal(0)(rngs.params(), (cfg.d_model, cfg.vocab_size),
-                                                cfg.param_dtype))
+        self.lm_head = nnx.data(None if cfg.tie_embeddings else nnx.Param(
+            _normal(0)(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.param_dtype)))
 
     def __call__(self, tokens, positions, cache: KVCache, index, kv_valid,
                  record: bool = False) -> ModelOutput:

@@ -114,17 +114,19 @@ def _compiled(apply, cfg: DecoderConfig, max_new_tokens: int, record: bool,
                                  jnp.int32(0), kv_valid, record)
         first = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
 
+        # The params ride in the carry: nnx modules merged from values closed
+        # over from an outer trace refuse to update their variables.
         def step(carry, s):
-            cache, token, stats = carry
+            params, cache, token, stats = carry
             o = apply(params, token[:, None], (prompt_lens + s)[:, None], cache,
                       prompt_len + s, kv_valid, record)
             nxt = jnp.argmax(o.logits[:, 0], axis=-1).astype(jnp.int32)
             if on_step is not None:
                 jax.debug.callback(on_step, s + 1)
-            return (o.cache, nxt, stats + o.stats), (nxt, o.expert_ids, o.gating)
+            return (params, o.cache, nxt, stats + o.stats), (nxt, o.expert_ids, o.gating)
 
-        (_, _, stats), (rest, eids, gating) = jax.lax.scan(
-            step, (out.cache, first, out.stats), jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
+        (_, _, _, stats), (rest, eids, gating) = jax.lax.scan(
+            step, (params, out.cache, first, out.stats), jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
         generated = jnp.concatenate([first[:, None], rest.T], axis=1)
         routing = (out.expert_ids, out.gating, eids, gating) if record else None
         return generated, stats, routing

@@ -1,0 +1,137 @@
+"""Save and restore the example decoder's parameters with orbax-checkpoint.
+
+Expert weights (``w_gate``, ``w_up``, ``w_down``, stacked ``[E, ...]``) are
+saved as they lie, split over the expert axis, and restored onto any mesh:
+the target sharding is built for the *new* mesh, so a checkpoint written at
+one expert-parallel size loads at another (orbax reads each device's slice of
+the global array). Everything else is replicated.
+
+Layout of a checkpoint directory::
+
+    <dir>/params/          orbax StandardCheckpointer tree (canonical params)
+    <dir>/decoder_config.json   the DecoderConfig fields (shapes checked on restore)
+
+    save_params(dir, params, cfg, mesh=mesh4)
+    params = restore_params(dir, cfg, mesh=mesh8)        # resharded onto 8 ranks
+    model = nnx_load_params(MixtralNnx(cfg, mesh=mesh8, rngs=nnx.Rngs(0)), params)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.sharding import SingleDeviceSharding
+
+from moe_jax.models.decoder import DecoderConfig, init_params
+from moe_jax.models.sharding import param_shardings, shard_params
+
+__all__ = ["abstract_params", "load_config", "restore_params", "save_params"]
+
+_PARAMS = "params"
+_CONFIG = "decoder_config.json"
+# Fields that fix parameter shapes and dtypes: a checkpoint restores only onto
+# a config that agrees on them (strategy, capacities etc. may differ).
+_SHAPE_FIELDS = ("vocab_size", "d_model", "num_heads", "num_layers", "num_experts",
+                 "ffn_size", "tie_embeddings", "router", "param_dtype")
+
+
+def _config_json(cfg: DecoderConfig) -> dict:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = jnp.dtype(v).name if f.name in ("dtype", "param_dtype") else v
+    return out
+
+
+def load_config(directory: str | os.PathLike) -> DecoderConfig | None:
+    """The DecoderConfig saved with a checkpoint (None if none was saved)."""
+    path = os.path.join(os.fspath(directory), _CONFIG)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        fields = json.load(f)
+    for name in ("dtype", "param_dtype"):
+        if name in fields:
+            fields[name] = jnp.dtype(fields[name])
+    known = {f.name for f in dataclasses.fields(DecoderConfig)}
+    return DecoderConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | None = None,
+                *, mesh: jax.sharding.Mesh | None = None, force: bool = False) -> str:
+    """Writes canonical params (and `cfg`) to `directory`; returns its absolute path.
+
+    Args:
+      params: canonical params (``init_params`` / linen ``params`` /
+        ``nnx_params(model)``), placed anywhere.
+      cfg: the DecoderConfig, saved as JSON next to the params.
+      mesh: if given, params are first laid out on it (expert weights split
+        over ``cfg.expert_axis``), so each device writes its own slice.
+      force: overwrite an existing checkpoint.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    params = nn.meta.unbox(params)
+    if mesh is not None:
+        params = shard_params(params, mesh, cfg.expert_axis if cfg is not None else "ep")
+    os.makedirs(directory, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(directory, _PARAMS), params, force=force)
+        ckptr.wait_until_finished()
+    if cfg is not None:
+        with open(os.path.join(directory, _CONFIG), "w", encoding="utf-8") as f:
+            json.dump(_config_json(cfg), f, indent=1, default=str)
+    return directory
+
+
+def abstract_params(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None = None) -> Any:
+    """ShapeDtypeStructs of the canonical params, with the shardings they get
+    on `mesh` (expert weights split over cfg.expert_axis; one device without
+    a mesh)."""
+    shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, shapes)
+    else:
+        if cfg.expert_axis in mesh.axis_names:
+            cfg.moe_config().experts_per_rank(mesh.shape[cfg.expert_axis])
+        shardings = param_shardings(shapes, mesh, cfg.expert_axis)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)
+
+
+def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> Any:
+    """Reads canonical params, laid out for `mesh` (any expert-parallel size).
+
+    Args:
+      cfg: the config to restore for (default: the one saved with the
+        checkpoint); must agree with the saved one on the parameter shapes.
+      mesh: target mesh; expert weights are split over cfg.expert_axis
+        (E must divide by its size).
+    Raises:
+      ValueError: no checkpoint, or `cfg` disagrees with the saved config.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(os.path.join(directory, _PARAMS)):
+        raise ValueError(f"directory: no checkpoint in {directory}")
+    saved = load_config(directory)
+    if cfg is None:
+        if saved is None:
+            raise ValueError("cfg: the checkpoint holds no config; pass one")
+        cfg = saved
+    elif saved is not None:
+        for name in _SHAPE_FIELDS:
+            a, b = getattr(saved, name), getattr(cfg, name)
+            if name == "param_dtype":
+                a, b = jnp.dtype(a), jnp.dtype(b)
+            if a != b:
+                raise ValueError(f"cfg: {name}={b!r} differs from the checkpoint's {a!r}")
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.join(directory, _PARAMS), abstract_params(cfg, mesh))

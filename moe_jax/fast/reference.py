@@ -179,27 +179,44 @@ def pad_matrix(d: np.ndarray) -> np.ndarray:
   return p
 
 
-def _augment(u, adj_pos, match_col, match_row, visited):
-  """Kuhn's DFS from row ``u`` over columns with positive residual."""
+def _augment(u, res, match_col, match_row):
+  """Shortest augmenting path from free row ``u`` by breadth-first search
+  over columns with positive residual (rows dequeued in order, columns
+  scanned in order); flips it.  Returns whether one was found."""
   n = len(match_col)
-  row = adj_pos[u]
-  for v in range(n):
-    if row[v] > 0 and not visited[v]:
+  visited = [False] * n
+  prev = [-1] * n
+  queue = [u]
+  head = 0
+  while head < len(queue):
+    r = queue[head]
+    head += 1
+    row = res[r]
+    for v in range(n):
+      if row[v] <= 0 or visited[v]:
+        continue
       visited[v] = True
-      if match_col[v] < 0 or _augment(match_col[v], adj_pos, match_col,
-                                      match_row, visited):
-        match_row[u] = v
-        match_col[v] = u
-        return True
+      prev[v] = r
+      if match_col[v] < 0:
+        c = v
+        while True:
+          pr = prev[c]
+          old = match_row[pr]
+          match_row[pr] = c
+          match_col[c] = pr
+          if pr == u:
+            return True
+          c = old
+      queue.append(match_col[v])
   return False
 
 
 def bvn_decompose(padded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Integer Birkhoff-von Neumann decomposition of an equal-sum matrix.
 
-  Repeats: perfect matching on the support (Kuhn's augmenting paths, rows in
-  order, columns in order; the previous matching is kept and only the rows
-  whose matched entry became zero are re-augmented), weight = smallest
+  Repeats: perfect matching on the support (augmenting paths found by
+  breadth-first search, free rows in order; the previous matching is kept
+  and only the rows whose matched entry became zero are re-augmented), weight = smallest
   matched entry, subtract.  Each step zeroes an entry and lowers
   ``edges - 2n + components`` by at least one, so there are at most
   ``n^2 - 2n + 2`` stages.
@@ -215,8 +232,7 @@ def bvn_decompose(padded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   while total > 0:
     for u in range(n):
       if match_row[u] < 0:
-        visited = [False] * n
-        if not _augment(u, r, match_col, match_row, visited):
+        if not _augment(u, r, match_col, match_row):
           raise AssertionError("no perfect matching: matrix not equal-sum")
     w = min(r[u][match_row[u]] for u in range(n))
     mats.append(list(match_row))

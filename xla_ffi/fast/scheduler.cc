@@ -3,28 +3,32 @@
 #include <algorithm>
 
 namespace moe_jax::fast {
-namespace {
 
-// Units u in [start, start + count) with (u + off) % m == lane.
-inline int64_t UnitCount(int64_t start, int64_t count, int lane, int off,
-                         int m) {
-  const int64_t r = ((lane - off) % m + m) % m;
-  auto f = [&](int64_t x) { return (x + m - 1 - r) / m; };
-  return f(start + count) - f(start);
-}
-
-}  // namespace
-
+// Breadth-first search for a shortest augmenting path from free row u
+// (rows dequeued in order, columns scanned in order); flips it.
 bool FastScheduler::Augment(int u) {
-  const int64_t* row = residual_.data() + static_cast<int64_t>(u) * n_;
-  for (int v = 0; v < n_; ++v) {
-    if (row[v] > 0 && !visited_[v]) {
+  const int n = n_;
+  std::fill(visited_.begin(), visited_.end(), 0);
+  int head = 0, tail = 0;
+  queue_[tail++] = u;
+  while (head < tail) {
+    const int r = queue_[head++];
+    const int64_t* row = residual_.data() + static_cast<int64_t>(r) * n;
+    for (int v = 0; v < n; ++v) {
+      if (row[v] <= 0 || visited_[v]) continue;
       visited_[v] = 1;
-      if (match_col_[v] < 0 || Augment(match_col_[v])) {
-        match_row_[u] = v;
-        match_col_[v] = u;
-        return true;
+      prev_[v] = r;
+      if (match_col_[v] < 0) {
+        for (int c = v;;) {
+          const int pr = prev_[c];
+          const int old = match_row_[pr];
+          match_row_[pr] = c;
+          match_col_[c] = pr;
+          if (pr == u) return true;
+          c = old;
+        }
       }
+      queue_[tail++] = match_col_[v];
     }
   }
   return false;
@@ -36,6 +40,8 @@ void FastScheduler::Decompose(FastSchedule* out) {
   match_row_.assign(n, -1);
   match_col_.assign(n, -1);
   visited_.assign(n, 0);
+  prev_.assign(n, -1);
+  queue_.assign(n, 0);
   out->matchings.clear();
   out->weights.clear();
   int64_t total = 0;
@@ -43,7 +49,6 @@ void FastScheduler::Decompose(FastSchedule* out) {
   while (total > 0) {
     for (int u = 0; u < n; ++u) {
       if (match_row_[u] < 0) {
-        std::fill(visited_.begin(), visited_.end(), 0);
         Augment(u);  // always succeeds: the residual has equal sums
       }
     }
@@ -77,26 +82,37 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
   const int64_t g = static_cast<int64_t>(n) * m;
   if (gpu < -1 || gpu >= g) return "gpu must be -1 (all) or in [0, G)";
   gpu_ = gpu;
-  for (int64_t i = 0; i < g * g; ++i) {
-    if (traffic[i] < 0) return "traffic must be non-negative";
-  }
   out->num_servers = n;
   out->gpus_per_server = m;
 
   // Server matrix.
+  // Add the M rows of server a elementwise (vectorises), then sum tiles;
+  // OR-ing all entries is negative iff one of them is.
   out->server.assign(static_cast<size_t>(n) * n, 0);
-  for (int64_t s = 0; s < g; ++s) {
-    const int a = static_cast<int>(s / m);
-    const int64_t* row = traffic + s * g;
+  rowacc_.resize(g);
+  int64_t any_sign = 0;
+  for (int a = 0; a < n; ++a) {
+    int64_t* acc = rowacc_.data();
+    const int64_t* row = traffic + static_cast<int64_t>(a) * m * g;
+    for (int64_t h = 0; h < g; ++h) acc[h] = row[h];
+    for (int i = 1; i < m; ++i) {
+      row += g;
+      for (int64_t h = 0; h < g; ++h) acc[h] += row[h];
+    }
+    row = traffic + static_cast<int64_t>(a) * m * g;
+    for (int64_t h = 0; h < static_cast<int64_t>(m) * g; ++h) {
+      any_sign |= row[h];
+    }
     int64_t* drow = out->server.data() + static_cast<int64_t>(a) * n;
     for (int b = 0; b < n; ++b) {
-      if (b == a) continue;
-      int64_t acc = 0;
-      const int64_t* tile = row + static_cast<int64_t>(b) * m;
-      for (int h = 0; h < m; ++h) acc += tile[h];
-      drow[b] += acc;
+      int64_t sum = 0;
+      for (int h = 0; h < m; ++h) sum += acc[static_cast<int64_t>(b) * m + h];
+      drow[b] = sum;
     }
   }
+  const int64_t lowest = any_sign;
+  if (lowest < 0) return "traffic must be non-negative";
+  for (int a = 0; a < n; ++a) out->server[static_cast<int64_t>(a) * n + a] = 0;
 
   // Padding (greedy, rows then columns in order).
   remaining_.assign(2 * static_cast<size_t>(n), 0);  // row, col deficits
@@ -196,7 +212,15 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
           }
         }
         have_[i] = sum;
-        want_[i] = UnitCount(0, big, i, off, m);
+      }
+      {  // want_[l] = units u < big with (u + off) % m == l.
+        const int64_t q = big / m;
+        const int rem = static_cast<int>(big % m);
+        for (int l = 0; l < m; ++l) {
+          int d = l - off;
+          if (d < 0) d += m;
+          want_[l] = q + (d < rem ? 1 : 0);
+        }
       }
       int j = 0;
       for (int i = 0; i < m; ++i) {

@@ -4,9 +4,10 @@
 // documents it: intra-server balancing (unit u of server pair (a, b) is
 // carried by local GPU (u + a + b) % M), greedy padding of the server matrix
 // to equal row/column sums, integer Birkhoff-von Neumann decomposition with
-// Kuhn augmenting paths that keeps the previous stage's matching and only
+// augmenting paths that keeps the previous stage's matching and only
 // re-augments rows whose matched entry reached zero, per-stage scale-out
-// (peer GPU l -> l) and redistribution, and the intra-server part.
+// (peer GPU l -> l) and redistribution, and the intra-server part.  Each
+// re-augmentation is a breadth-first search (shortest augmenting path).
 //
 // A FastScheduler keeps its buffers between calls: scheduling matrices of
 // the same size again does not allocate.
@@ -110,12 +111,12 @@ class FastScheduler {
   int m_ = 0;
   int64_t gpu_ = -1;
   std::vector<int64_t> residual_;
-  std::vector<int> match_row_, match_col_;
+  std::vector<int> match_row_, match_col_, prev_, queue_;
   std::vector<char> visited_;
   std::vector<Piece> pool_;            // all lane queues, back to back
   std::vector<int64_t> qbeg_, qend_;   // [n * n * M] queue bounds in pool_
   std::vector<std::vector<Piece>> held_;  // [M] scratch for one tile
-  std::vector<int64_t> have_, want_;
+  std::vector<int64_t> have_, want_, rowacc_;
   std::vector<int64_t> remaining_, sent_;
 };
 

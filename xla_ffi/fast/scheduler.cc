@@ -5,30 +5,35 @@
 namespace moe_jax::fast {
 
 // Breadth-first search for a shortest augmenting path from free row u
-// (rows dequeued in order, columns scanned in order); flips it.
+// (rows dequeued in order, columns scanned in increasing order); flips it.
+// Columns are scanned through the support bitsets: support_ & ~seen_.
 bool FastScheduler::Augment(int u) {
-  const int n = n_;
-  std::fill(visited_.begin(), visited_.end(), 0);
+  const int words = words_;
+  std::fill(seen_.begin(), seen_.end(), 0);
   int head = 0, tail = 0;
   queue_[tail++] = u;
   while (head < tail) {
     const int r = queue_[head++];
-    const int64_t* row = residual_.data() + static_cast<int64_t>(r) * n;
-    for (int v = 0; v < n; ++v) {
-      if (row[v] <= 0 || visited_[v]) continue;
-      visited_[v] = 1;
-      prev_[v] = r;
-      if (match_col_[v] < 0) {
-        for (int c = v;;) {
-          const int pr = prev_[c];
-          const int old = match_row_[pr];
-          match_row_[pr] = c;
-          match_col_[c] = pr;
-          if (pr == u) return true;
-          c = old;
+    const uint64_t* sup = support_.data() + static_cast<size_t>(r) * words;
+    for (int w = 0; w < words; ++w) {
+      uint64_t bits = sup[w] & ~seen_[w];
+      seen_[w] |= bits;
+      while (bits != 0) {
+        const int v = w * 64 + __builtin_ctzll(bits);
+        bits &= bits - 1;
+        prev_[v] = r;
+        if (match_col_[v] < 0) {
+          for (int c = v;;) {
+            const int pr = prev_[c];
+            const int old = match_row_[pr];
+            match_row_[pr] = c;
+            match_col_[c] = pr;
+            if (pr == u) return true;
+            c = old;
+          }
         }
+        queue_[tail++] = match_col_[v];
       }
-      queue_[tail++] = match_col_[v];
     }
   }
   return false;
@@ -39,7 +44,17 @@ void FastScheduler::Decompose(FastSchedule* out) {
   residual_.assign(out->padded.begin(), out->padded.end());
   match_row_.assign(n, -1);
   match_col_.assign(n, -1);
-  visited_.assign(n, 0);
+  words_ = (n + 63) / 64;
+  seen_.assign(words_, 0);
+  support_.assign(static_cast<size_t>(n) * words_, 0);
+  for (int u = 0; u < n; ++u) {
+    for (int v = 0; v < n; ++v) {
+      if (residual_[static_cast<int64_t>(u) * n + v] > 0) {
+        support_[static_cast<size_t>(u) * words_ + v / 64] |= uint64_t{1}
+                                                               << (v % 64);
+      }
+    }
+  }
   prev_.assign(n, -1);
   queue_.assign(n, 0);
   out->matchings.clear();
@@ -66,6 +81,8 @@ void FastScheduler::Decompose(FastSchedule* out) {
       if (x == 0) {
         match_row_[u] = -1;
         match_col_[v] = -1;
+        support_[static_cast<size_t>(u) * words_ + v / 64] &=
+            ~(uint64_t{1} << (v % 64));
       }
     }
   }

@@ -112,7 +112,9 @@ class FastScheduler {
   int64_t gpu_ = -1;
   std::vector<int64_t> residual_;
   std::vector<int> match_row_, match_col_, prev_, queue_;
-  std::vector<char> visited_;
+  int words_ = 0;                   // 64-bit words per bitset row
+  std::vector<uint64_t> support_;   // [n * words_] residual > 0
+  std::vector<uint64_t> seen_;      // [words_] columns reached
   std::vector<Piece> pool_;            // all lane queues, back to back
   std::vector<int64_t> qbeg_, qend_;   // [n * n * M] queue bounds in pool_
   std::vector<std::vector<Piece>> held_;  // [M] scratch for one tile

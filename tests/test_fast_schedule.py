@@ -131,3 +131,33 @@ def test_empty_and_zero_traffic():
   s = ref.fast_schedule(np.zeros((6, 6), int), 3, 2)
   assert s.num_bvn_stages == 0 and s.bound == 0
   assert ref.delivered_exactly(np.zeros((6, 6), int), s.stages)
+
+
+@given(traffic_cases())
+def test_bottleneck_servers_busy_in_every_stage(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  d = s.server_matrix
+  recv_real = np.zeros((s.num_bvn_stages, n), np.int64)
+  for k in range(s.num_bvn_stages):
+    recv_real[k, s.matchings[k]] = s.real[k]
+  for a in range(n):
+    if d[a].sum() == s.bound and s.bound > 0:  # bottleneck sender
+      np.testing.assert_array_equal(s.real[:, a], s.weights)
+    if d[:, a].sum() == s.bound and s.bound > 0:  # bottleneck receiver
+      np.testing.assert_array_equal(recv_real[:, a], s.weights)
+
+
+@given(st.integers(2, 6), st.integers(0, 2**31 - 1))
+def test_balanced_server_matrix_needs_no_padding(n, seed):
+  # A sum of shifted permutations: every server sends and receives the same,
+  # so no padding, and the schedule takes exactly the common row sum.
+  rng = np.random.default_rng(seed)
+  w = rng.integers(1, 50, n - 1)
+  d = np.zeros((n, n), np.int64)
+  for i, x in enumerate(w, start=1):
+    d[np.arange(n), (np.arange(n) + i) % n] = x
+  s = ref.fast_schedule(d, n, 1)
+  np.testing.assert_array_equal(s.padded_matrix, d)
+  assert s.num_bvn_stages <= n * n - 2 * n + 2
+  assert int(s.server_stage_times().sum()) == s.bound == int(w.sum())

@@ -39,7 +39,7 @@ bool FastScheduler::Augment(int u) {
   return false;
 }
 
-void FastScheduler::Decompose(FastSchedule* out) {
+bool FastScheduler::Decompose(FastSchedule* out) {
   const int n = n_;
   residual_.assign(out->padded.begin(), out->padded.end());
   match_row_.assign(n, -1);
@@ -64,7 +64,8 @@ void FastScheduler::Decompose(FastSchedule* out) {
   while (total > 0) {
     for (int u = 0; u < n; ++u) {
       if (match_row_[u] < 0) {
-        Augment(u);  // always succeeds: the residual has equal sums
+        // Always succeeds: the residual keeps equal row/column sums.
+        if (!Augment(u)) return false;
       }
     }
     int64_t w = residual_[match_row_[0]];
@@ -87,6 +88,7 @@ void FastScheduler::Decompose(FastSchedule* out) {
     }
   }
   out->num_stages = static_cast<int>(out->weights.size());
+  return true;
 }
 
 std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
@@ -157,7 +159,7 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
     }
   }
 
-  Decompose(out);
+  if (!Decompose(out)) return "internal error: no perfect matching";
 
   // Real units per stage (real data first, padding never moves).
   const int S = out->num_stages;

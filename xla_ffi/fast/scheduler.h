@@ -104,7 +104,7 @@ class FastScheduler {
     int64_t amount;
   };
   bool Augment(int u);
-  void Decompose(FastSchedule* out);
+  bool Decompose(FastSchedule* out);
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
 
   int n_ = 0;

@@ -216,7 +216,11 @@ def write_simulation(results, meta, fabric):
            "bandwidth), infinitely fast scale-up (the paper's optimum); "
            "`FAST+sched` adds the C++ scheduler median measured here "
            "(full schedule; `zipf_row` uses the `zipf` runtime); direct: every flow at once, "
-           "fluid sharing, no incast loss (optimistic)", "",
+           "fluid sharing, no incast loss (optimistic); `balance` and "
+           "`redistribute`: summed step costs of those phases / bound "
+           "(redistribution mostly overlaps the next scale-out stage; the "
+           "last one is exposed); every BvN stage pays the scale-out alpha",
+           "",
            "| workload | GPUs | BvN stages | bound (ms) | FAST / bound | "
            "FAST+sched / bound | SpreadOut / bound | direct / bound | "
            "balance | redistribute (hidden+exposed) |",

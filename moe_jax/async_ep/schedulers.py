@@ -1,0 +1,131 @@
+"""Layer schedulers: which of a device's queues to drain next.
+
+Interface: `scheduler.pick(queues, state) -> LayerId | None`, where `queues`
+maps every layer the device hosts to its queue length and `state` says how
+many blocks the pipeline has. None means every queue is empty.
+
+* `MostTokensFirst` (MTFS): the longest queue.
+* `FirstLayerFirst` (FLFS): the earliest non-empty layer of the forward pass.
+  New requests enter at block 0, so a steady stream of arrivals keeps it at
+  block 0 forever (livelock).
+* `DefragScheduler` (Algorithm 1 of AMoE): score of a non-empty layer in
+  block b = its queue length + sum_{k=1..K} delta^k * mass(b + k mod N),
+  where mass(b') is the tokens queued here at block b' divided by the number
+  of layers hosted here at block b'; the best score wins. N counts the
+  sampler as one more block. Ties go to the earlier layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Protocol
+
+from moe_jax.async_ep.tokens import LayerId
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerState:
+    """What a scheduler may know besides the queue lengths.
+
+    num_blocks: decoder blocks of the model; the sampler sits at block
+      num_blocks, so lookahead wraps modulo num_blocks + 1.
+    """
+
+    num_blocks: int
+
+    def __post_init__(self):
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+class Scheduler(Protocol):
+    name: str
+
+    def pick(self, queues: Mapping[LayerId, int], state: SchedulerState) -> LayerId | None:
+        ...
+
+
+def _nonempty(queues: Mapping[LayerId, int]) -> list[LayerId]:
+    return sorted((layer for layer, n in queues.items() if n > 0),
+                  key=lambda layer: (layer.order(), layer.index))
+
+
+class MostTokensFirst:
+    """Most-tokens-first-serve; ties go to the earlier layer."""
+
+    name = "mtfs"
+
+    def pick(self, queues, state):
+        layers = _nonempty(queues)
+        if not layers:
+            return None
+        return max(layers, key=lambda layer: (queues[layer], -layers.index(layer)))
+
+
+class FirstLayerFirst:
+    """First-layer-first-serve: lowest (block, attention < experts) non-empty layer."""
+
+    name = "flfs"
+
+    def pick(self, queues, state):
+        layers = _nonempty(queues)
+        return layers[0] if layers else None
+
+
+class DefragScheduler:
+    """AMoE's defragging scheduler.
+
+    Args:
+      lookahead: K, blocks looked ahead (int >= 0; default 7).
+      decay: delta in (0, 1], the weight of a block k ahead is delta**k
+        (default 0.8).
+    """
+
+    name = "defrag"
+
+    def __init__(self, lookahead: int = 7, decay: float = 0.8):
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        if not 0.0 < float(decay) <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self.lookahead = lookahead
+        self.decay = float(decay)
+
+    def scores(self, queues: Mapping[LayerId, int], state: SchedulerState) -> dict[LayerId, float]:
+        """Score of every non-empty layer."""
+        num_stages = state.num_blocks + 1
+        tokens = [0] * num_stages
+        layers_at = [0] * num_stages
+        for layer, n in queues.items():
+            tokens[layer.block] += n
+            layers_at[layer.block] += 1
+        mass = [t / c if c else 0.0 for t, c in zip(tokens, layers_at)]
+        out = {}
+        for layer in _nonempty(queues):
+            ahead = sum(mass[(layer.block + k) % num_stages] * self.decay ** k
+                        for k in range(1, self.lookahead + 1))
+            out[layer] = queues[layer] + ahead
+        return out
+
+    def pick(self, queues, state):
+        scores = self.scores(queues, state)
+        if not scores:
+            return None
+        best = None
+        for layer, score in scores.items():  # already in forward order
+            if best is None or score > scores[best]:
+                best = layer
+        return best
+
+
+def make_scheduler(name: str, **kwargs) -> Scheduler:
+    """"defrag" (kwargs: lookahead, decay), "mtfs" or "flfs"."""
+    if name == "defrag":
+        return DefragScheduler(**kwargs)
+    if kwargs:
+        raise ValueError(f"kwargs: scheduler {name!r} takes none, got {sorted(kwargs)}")
+    if name == "mtfs":
+        return MostTokensFirst()
+    if name == "flfs":
+        return FirstLayerFirst()
+    raise ValueError(f"name must be 'defrag', 'mtfs' or 'flfs', got {name!r}")

@@ -160,3 +160,19 @@ def test_recorded_traces_calibrate_capacities(params, prompts, reference, tmp_pa
     again = generate(MixtralLinen(cfg, mesh), params, *prompts, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(again.tokens, reference)
     assert int(again.stats.spilled_rows) > 0  # q=0.5 leaves pairs above C
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(params, prompts):
+    cfg = BASE.replace(dtype=jax.numpy.bfloat16)
+    return generate(MixtralLinen(cfg), params, *prompts, max_new_tokens=NEW_TOKENS).tokens
+
+
+@pytest.mark.parametrize("strategy, transport", [("cap_and_spill", "custom_call"),
+                                                 ("ragged", "lax")])
+def test_bfloat16_activations_generate_the_same_tokens(strategy, transport, params, prompts,
+                                                       bf16_reference):
+    cfg = BASE.replace(dtype=jax.numpy.bfloat16, strategy=strategy, transport=transport,
+                       **(TINY_CS if strategy == "cap_and_spill" else {}))
+    result = generate(MixtralLinen(cfg, mesh_of(8)), params, *prompts, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(result.tokens, bf16_reference)

@@ -126,7 +126,8 @@ def _compiled(apply, cfg: DecoderConfig, max_new_tokens: int, record: bool,
             return (params, o.cache, nxt, stats + o.stats), (nxt, o.expert_ids, o.gating)
 
         (_, _, _, stats), (rest, eids, gating) = jax.lax.scan(
-            step, (params, out.cache, first, out.stats), jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
+            step, (params, out.cache, first, out.stats),
+            jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
         generated = jnp.concatenate([first[:, None], rest.T], axis=1)
         routing = (out.expert_ids, out.gating, eids, gating) if record else None
         return generated, stats, routing

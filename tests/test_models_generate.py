@@ -176,3 +176,15 @@ def test_bfloat16_activations_generate_the_same_tokens(strategy, transport, para
                        **(TINY_CS if strategy == "cap_and_spill" else {}))
     result = generate(MixtralLinen(cfg, mesh_of(8)), params, *prompts, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(result.tokens, bf16_reference)
+
+
+def test_generation_compiles_once_per_configuration(params, prompts):
+    from moe_jax.models.generate import _compiled, _LinenApply
+    model = MixtralLinen(BASE.replace(strategy="max_counts"), mesh_of(2))
+    first = generate(model, params, *prompts, max_new_tokens=NEW_TOKENS)
+    other = (np.roll(prompts[0], 1, axis=0), np.roll(prompts[1], 1, axis=0))
+    second = generate(MixtralLinen(BASE.replace(strategy="max_counts"), mesh_of(2)), params,
+                      *other, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(second.tokens, np.roll(first.tokens, 1, axis=0))
+    run = _compiled(_LinenApply(model), model.cfg, NEW_TOKENS, False, None)
+    assert run._cache_size() == 1

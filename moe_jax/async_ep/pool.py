@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from moe_jax.async_ep.queues import LayerQueues
-from moe_jax.async_ep.tokens import LayerId, Token
+from moe_jax.async_ep.tokens import EXPERT, LayerId, Token
 
 
 def combine_topk(residual: np.ndarray, outputs: Sequence[np.ndarray],
@@ -76,7 +76,8 @@ class TokenPool:
 
 
 class Receptor:
-    """Entry point of a device: whole tokens go to their queue, parts to the pool."""
+    """Entry point of a device: tokens ready by themselves (including top-k copies
+    bound for an expert layer) go to their queue, merge parts to the pool."""
 
     def __init__(self, queues: LayerQueues, pool: TokenPool):
         self.queues = queues
@@ -86,7 +87,7 @@ class Receptor:
         """Enqueues what is ready; returns how many tokens became ready."""
         ready = 0
         for token in tokens:
-            if token.part is not None:
+            if token.part is not None and token.layer.kind != EXPERT:
                 token = self.pool.add(token)
                 if token is None:
                     continue

@@ -1,0 +1,126 @@
+"""Synchronous expert-parallel baseline on the same tiny model and kernels.
+
+Every step all active requests advance one position together: for each
+block, every rank runs attention on all its tokens, the tokens are routed,
+every expert runs on all tokens routed to it (the all-to-all barrier), and
+the outputs are combined in top-k order with `combine_topk`; then the
+sampler runs. New requests join at step boundaries when a slot is free.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from moe_jax.async_ep.dispatcher import Placement
+from moe_jax.async_ep.executor import RunResult
+from moe_jax.async_ep.model import LayerKernels, embed
+from moe_jax.async_ep.pool import combine_topk
+from moe_jax.async_ep.requests import Coordinator, Request
+
+
+class SyncEngine:
+    """Barrier-synchronous EP with the same placement and kernels as AsyncEngine."""
+
+    def __init__(self, kernels: LayerKernels, num_devices: int = 2, num_ranks: int = 1,
+                 slots_per_rank: int = 8, placement: Placement | None = None):
+        devices = jax.devices("cpu")
+        if not 1 <= num_devices <= len(devices):
+            raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices}")
+        c = kernels.config
+        self.kernels = kernels
+        self.placement = placement or Placement.colocated(num_devices, num_ranks,
+                                                          c.num_experts, c.num_blocks)
+        self.num_ranks = len(self.placement.rank_devices)
+        self.slots_per_rank = slots_per_rank
+        self.devices = devices[:num_devices]
+
+    def _chunks(self, n):
+        m = self.kernels.max_batch
+        return [slice(i, min(i + m, n)) for i in range(0, n, m)]
+
+    def run(self, requests: Sequence[Request], max_steps: int = 100_000) -> RunResult:
+        k, c, pl = self.kernels, self.kernels.config, self.placement
+        coordinator = Coordinator(self.num_ranks, self.slots_per_rank, c.max_len)
+        caches = {r: k.new_cache(self.devices[d], self.slots_per_rank)
+                  for r, d in enumerate(pl.rank_devices)}
+        pending = sorted(requests, key=lambda r: r.arrival)
+        waiting = collections.deque()
+        active: dict[int, tuple[int, np.ndarray]] = {}   # request_id -> (position, x)
+        start = time.perf_counter()
+        executions, sizes, step = 0, [], 0
+        while step < max_steps:
+            while pending and pending[0].arrival <= step:
+                waiting.append(pending.pop(0))
+            while waiting:
+                state = coordinator.admit(waiting[0], step)
+                if state is None:
+                    break
+                req = waiting.popleft()
+                active[req.request_id] = (0, embed(k.params, int(req.prompt[0]), 0))
+            if not active:
+                if not pending and not waiting:
+                    break
+                step += 1
+                continue
+            by_rank = collections.defaultdict(list)
+            for rid in active:
+                by_rank[coordinator.states[rid].rank].append(rid)
+            xs = {rid: x for rid, (_, x) in active.items()}
+            for b in range(c.num_blocks):
+                h, u, ids, w = {}, {}, {}, {}
+                for r, rids in by_rank.items():
+                    dev = self.devices[pl.rank_devices[r]]
+                    for sl in self._chunks(len(rids)):
+                        chunk = rids[sl]
+                        out = k.attention(dev, b, np.stack([xs[i] for i in chunk]),
+                                          [active[i][0] for i in chunk],
+                                          [coordinator.states[i].slot for i in chunk],
+                                          caches[r][b], self.slots_per_rank)
+                        caches[r][b] = out[4]
+                        executions += 1
+                        sizes.append(len(chunk))
+                        for n, i in enumerate(chunk):
+                            h[i], u[i], ids[i], w[i] = out[0][n], out[1][n], out[2][n], out[3][n]
+                # all-to-all: every expert runs on everything routed to it
+                outs = {}
+                for e in range(c.num_experts):
+                    copies = [(i, j) for i in h for j in range(c.top_k) if ids[i][j] == e]
+                    dev = self.devices[pl.expert_devices[e]]
+                    for sl in self._chunks(len(copies)):
+                        chunk = copies[sl]
+                        y = k.expert(dev, b, e, np.stack([u[i] for i, _ in chunk]))
+                        executions += 1
+                        sizes.append(len(chunk))
+                        for n, key in enumerate(chunk):
+                            outs[key] = y[n]
+                for i in h:
+                    xs[i] = combine_topk(h[i], [outs[(i, j)] for j in range(c.top_k)],
+                                         [float(w[i][j]) for j in range(c.top_k)])
+            for r, rids in by_rank.items():
+                dev = self.devices[pl.rank_devices[r]]
+                for sl in self._chunks(len(rids)):
+                    chunk = rids[sl]
+                    sampled = k.sampler(dev, np.stack([xs[i] for i in chunk]))
+                    executions += 1
+                    sizes.append(len(chunk))
+                    for n, i in enumerate(chunk):
+                        pos = active[i][0]
+                        nxt = coordinator.on_sampled(i, pos, int(sampled[n]), step)
+                        if nxt is None:
+                            del active[i]
+                        else:
+                            active[i] = (pos + 1, embed(k.params, nxt, pos + 1))
+            step += 1
+        wall = time.perf_counter() - start
+        states = coordinator.states
+        return RunResult(
+            outputs=coordinator.outputs(), ticks=step, finished=coordinator.all_done(requests),
+            token_ticks={rid: list(s.token_times) for rid, s in states.items()},
+            token_times={rid: [t - start for t in s.token_walls] for rid, s in states.items()},
+            arrivals={r.request_id: r.arrival for r in requests}, wall_s=wall,
+            executions=executions, mean_batch=float(np.mean(sizes)) if sizes else 0.0)

@@ -1,0 +1,251 @@
+"""A tiny Mixtral-style decoder split into independently runnable layers.
+
+Blocks: x -> h = x + Attn(RMSNorm(x)); u = RMSNorm(h); router top-k softmax;
+x' = h + sum_j w_j * SwiGLU_{e_j}(u). Embedding = token + learned position
+embedding (host lookups, exact). Sampler: RMSNorm, LM head, argmax.
+
+The layer functions are pure and take one padded batch; `LayerKernels`
+jits them once and runs them at bucketed batch sizes (the next power of two
+up to `max_batch`), counting XLA compilations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
+from moe_jax.routing import topk_softmax
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyMoEConfig:
+    """Sizes of the tiny model (all small; float32 throughout)."""
+
+    vocab: int = 64
+    hidden: int = 16
+    ffn: int = 32
+    heads: int = 2
+    num_blocks: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    max_len: int = 32
+    expert_skew: float = 0.0  # router bias -skew*e/E: exponential-like expert load
+
+    def __post_init__(self):
+        for name in ("vocab", "hidden", "ffn", "heads", "num_blocks", "num_experts",
+                     "top_k", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+
+
+def init_params(key: jax.Array, config: TinyMoEConfig) -> dict[str, Any]:
+    """Random weights: {'embed' [V,H], 'pos' [L,H], 'blocks': [...], 'final_norm', 'lm_head'}."""
+    c = config
+    keys = jax.random.split(key, 3 + c.num_blocks)
+    scale = c.hidden ** -0.5
+    blocks = []
+    for b in range(c.num_blocks):
+        kq, kk, kv, ko, kr, ke = jax.random.split(keys[3 + b], 6)
+        bias = -c.expert_skew * np.arange(c.num_experts, dtype=np.float32) / c.num_experts
+        blocks.append(dict(
+            attn_norm=np.ones((c.hidden,), np.float32),
+            wq=np.asarray(jax.random.normal(kq, (c.hidden, c.hidden))) * scale,
+            wk=np.asarray(jax.random.normal(kk, (c.hidden, c.hidden))) * scale,
+            wv=np.asarray(jax.random.normal(kv, (c.hidden, c.hidden))) * scale,
+            wo=np.asarray(jax.random.normal(ko, (c.hidden, c.hidden))) * scale,
+            moe_norm=np.ones((c.hidden,), np.float32),
+            router=np.asarray(jax.random.normal(kr, (c.hidden, c.num_experts))),
+            router_bias=bias,
+            experts=ExpertWeights(*(np.asarray(w) for w in
+                                    init_expert_weights(ke, c.num_experts, c.hidden, c.ffn)))))
+    return dict(
+        embed=np.asarray(jax.random.normal(keys[0], (c.vocab, c.hidden)), np.float32),
+        pos=np.asarray(jax.random.normal(keys[1], (c.max_len, c.hidden)) * 0.1, np.float32),
+        blocks=blocks,
+        final_norm=np.ones((c.hidden,), np.float32),
+        lm_head=np.asarray(jax.random.normal(keys[2], (c.hidden, c.vocab)) * scale, np.float32))
+
+
+def embed(params, token_id: int, position: int) -> np.ndarray:
+    """float32 [H] input of block 0 for one token (exact host lookup)."""
+    return (params["embed"][token_id] + params["pos"][position]).astype(np.float32)
+
+
+def _rms_norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * scale
+
+
+def attention_fn(p, x, pos, slot, k_cache, v_cache, *, heads: int, top_k: int):
+    """Attention + router of one block for a padded batch.
+
+    Args:
+      p: the block's params (attn_norm, wq, wk, wv, wo, moe_norm, router, router_bias).
+      x: float32 [N, H] residual stream. pos, slot: int32 [N] position and KV
+        slot of each row (padding rows use the spare last slot).
+      k_cache, v_cache: float32 [S+1, L, H] this block's cache of the rank.
+    Returns:
+      h [N,H] residual after attention, u [N,H] expert input, expert_ids
+      int32 [N,k], weights float32 [N,k], updated k_cache, v_cache.
+    """
+    n, hidden = x.shape
+    hd = hidden // heads
+    xn = _rms_norm(x, p["attn_norm"])
+    q, k, v = xn @ p["wq"], xn @ p["wk"], xn @ p["wv"]
+    k_cache = k_cache.at[slot, pos].set(k)
+    v_cache = v_cache.at[slot, pos].set(v)
+    keys = k_cache[slot].reshape(n, -1, heads, hd)      # [N, L, nh, hd]
+    values = v_cache[slot].reshape(n, -1, heads, hd)
+    scores = jnp.einsum("nhd,nlhd->nhl", q.reshape(n, heads, hd), keys) * hd ** -0.5
+    mask = jnp.arange(keys.shape[1])[None, None, :] <= pos[:, None, None]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
+    attn = jnp.einsum("nhl,nlhd->nhd", probs, values).reshape(n, hidden)
+    h = x + attn @ p["wo"]
+    u = _rms_norm(h, p["moe_norm"])
+    routing = topk_softmax(u @ p["router"] + p["router_bias"], top_k)
+    return h, u, routing.expert_ids, routing.weights, k_cache, v_cache
+
+
+def expert_fn(w_gate, w_up, w_down, u):
+    """SwiGLU of one expert: u float32 [N, H] -> [N, H] (float32 matmuls)."""
+    weights = ExpertWeights(w_gate[None], w_up[None], w_down[None])
+    sizes = jnp.full((1,), u.shape[0], jnp.int32)
+    return swiglu_grouped(u, sizes, weights, jnp.float32)
+
+
+def sampler_fn(final_norm, lm_head, x):
+    """Greedy next token: x float32 [N, H] -> int32 [N]."""
+    return jnp.argmax(_rms_norm(x, final_norm) @ lm_head, axis=-1).astype(jnp.int32)
+
+
+def bucket_sizes(max_batch: int) -> tuple[int, ...]:
+    """Powers of two 1, 2, 4, ... up to and including max_batch (a power of two)."""
+    if max_batch < 1 or max_batch & (max_batch - 1):
+        raise ValueError(f"max_batch must be a power of two >= 1, got {max_batch}")
+    return tuple(1 << i for i in range(max_batch.bit_length()))
+
+
+def bucket_for(n: int, max_batch: int) -> int:
+    """Smallest power of two >= n (n in [1, max_batch])."""
+    if not 1 <= n <= max_batch:
+        raise ValueError(f"n must be in [1, {max_batch}], got {n}")
+    return 1 << (n - 1).bit_length()
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_lock = threading.Lock()
+_compile_total = [0]
+_listener_installed = [False]
+
+
+def _install_listener():
+    with _compile_lock:
+        if _listener_installed[0]:
+            return
+
+        def listener(event, duration, **kwargs):
+            if event == _COMPILE_EVENT:
+                _compile_total[0] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        _listener_installed[0] = True
+
+
+class LayerKernels:
+    """Jitted layer functions run at bucketed batch sizes on given devices.
+
+    Args:
+      config: the model sizes.
+      params: weights from `init_params`.
+      max_batch: largest bucket (power of two); batches are padded to the
+        next power of two.
+
+    `compile_count` counts XLA backend compilations that happened inside
+    this object's calls (one per function, bucket and device at most).
+    """
+
+    def __init__(self, config: TinyMoEConfig, params, max_batch: int = 16):
+        _install_listener()
+        self.config = config
+        self.params = params
+        self.max_batch = max_batch
+        self.buckets = bucket_sizes(max_batch)
+        self.compile_count = 0
+        self.calls = 0
+        self._attention = jax.jit(lambda *a: attention_fn(*a, heads=config.heads,
+                                                          top_k=config.top_k))
+        self._expert = jax.jit(expert_fn)
+        self._sampler = jax.jit(sampler_fn)
+        self._on_device: dict[Any, Any] = {}
+
+    def params_on(self, device):
+        """Weights committed to `device`: attention params per block, expert
+        (w_gate, w_up, w_down) per (block, expert), final_norm, lm_head."""
+        if device not in self._on_device:
+            put = lambda a: jax.device_put(np.asarray(a), device)  # noqa: E731
+            blocks = self.params["blocks"]
+            self._on_device[device] = dict(
+                attention=[{k: put(v) for k, v in p.items() if k != "experts"} for p in blocks],
+                experts=[[tuple(put(w[e]) for w in p["experts"])
+                          for e in range(self.config.num_experts)] for p in blocks],
+                final_norm=put(self.params["final_norm"]),
+                lm_head=put(self.params["lm_head"]))
+        return self._on_device[device]
+
+    def new_cache(self, device, slots: int):
+        """Zero KV caches [S+1, L, H] per block (slot S is the padding slot)."""
+        c = self.config
+        zeros = np.zeros((slots + 1, c.max_len, c.hidden), np.float32)
+        return [(jax.device_put(zeros, device), jax.device_put(zeros, device))
+                for _ in range(c.num_blocks)]
+
+    def _run(self, fn, *args):
+        before = _compile_total[0]
+        out = fn(*args)
+        out = jax.block_until_ready(out)
+        self.compile_count += _compile_total[0] - before
+        self.calls += 1
+        return out
+
+    def _pad(self, rows: np.ndarray, fill=0):
+        n = rows.shape[0]
+        size = bucket_for(n, self.max_batch)
+        if size == n:
+            return rows
+        pad = np.full((size - n,) + rows.shape[1:], fill, rows.dtype)
+        return np.concatenate([rows, pad])
+
+    def attention(self, device, block: int, x, pos, slot, cache, spare_slot: int):
+        """Runs attention of `block` on rows x [n,H]; returns host arrays + new cache."""
+        n = x.shape[0]
+        pb = self.params_on(device)["attention"][block]
+        args = (self._pad(np.asarray(x, np.float32)), self._pad(np.asarray(pos, np.int32)),
+                self._pad(np.asarray(slot, np.int32), spare_slot))
+        args = tuple(jax.device_put(a, device) for a in args)
+        h, u, ids, w, kc, vc = self._run(self._attention, pb, *args, cache[0], cache[1])
+        return (np.asarray(h)[:n], np.asarray(u)[:n], np.asarray(ids)[:n],
+                np.asarray(w)[:n], (kc, vc))
+
+    def expert(self, device, block: int, expert: int, u):
+        n = u.shape[0]
+        w_gate, w_up, w_down = self.params_on(device)["experts"][block][expert]
+        x = jax.device_put(self._pad(np.asarray(u, np.float32)), device)
+        out = self._run(self._expert, w_gate, w_up, w_down, x)
+        return np.asarray(out)[:n]
+
+    def sampler(self, device, x):
+        n = x.shape[0]
+        p = self.params_on(device)
+        xs = jax.device_put(self._pad(np.asarray(x, np.float32)), device)
+        return np.asarray(self._run(self._sampler, p["final_norm"], p["lm_head"], xs))[:n]

@@ -124,6 +124,11 @@ def main(argv):
     devices = jax.devices()
     if FLAGS.ep > len(devices):
         raise app.UsageError(f"--ep={FLAGS.ep} needs {FLAGS.ep} devices, found {len(devices)}")
+    if FLAGS.batch % FLAGS.ep:
+        raise app.UsageError(f"--batch={FLAGS.batch} must be a multiple of --ep={FLAGS.ep} "
+                             "(each decode step's tokens are split evenly over the ranks)")
+    if FLAGS.strategy != "dense" and FLAGS.experts % FLAGS.ep:
+        raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of --ep={FLAGS.ep}")
     mesh = jax.make_mesh((FLAGS.ep,), ("ep",), devices=devices[:FLAGS.ep],
                          axis_types=(jax.sharding.AxisType.Auto,))
     print(f"moe_jax {mj.__version__}: {FLAGS.variant} decoder on {FLAGS.ep} of {len(devices)} "

@@ -77,6 +77,10 @@ def test_generate_rejects_bad_arguments(params, prompts):
         generate(model, params, *prompts, max_new_tokens=BASE.max_len)
     with pytest.raises(ValueError, match="prompt_tokens"):
         generate(model, params, prompts[0][:6], prompts[1][:6], max_new_tokens=2)
+    six = BASE.replace(num_experts=6, strategy="ragged")
+    with pytest.raises(ValueError, match="num_experts"):
+        generate(MixtralLinen(six, mesh_of(4)), init_params(jax.random.key(0), six), *prompts,
+                 max_new_tokens=2)
 
 
 def test_kv_cache_generation_matches_recomputation(params, prompts, reference):

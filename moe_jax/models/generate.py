@@ -204,6 +204,8 @@ def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, promp
                          f"tokens exceed max_len={cfg.max_len}")
     axis = cfg.expert_axis
     ranks = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
+    if cfg.strategy != "dense" and ranks > 1:
+        cfg.moe_config().experts_per_rank(ranks)  # raises naming num_experts
     if batch % ranks:
         raise ValueError(f"prompt_tokens: batch {batch} does not split evenly over the "
                          f"{ranks} ranks of mesh axis {axis!r}")

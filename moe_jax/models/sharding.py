@@ -30,11 +30,13 @@ def expert_parallel(mesh: jax.sharding.Mesh | None, axis: str, num_experts: int)
 def param_shardings(tree: Any, mesh: jax.sharding.Mesh, axis: str = "ep") -> Any:
     """NamedShardings for a params tree (canonical dict or nnx State, arrays
     or ShapeDtypeStructs): expert weights split over `axis` along their
-    first (expert) dimension, everything else replicated."""
-    expert = P(axis) if axis in mesh.axis_names else P()
+    first (expert) dimension, everything else replicated (expert weights too
+    when the axis is missing or their count does not divide by its size)."""
+    size = mesh.shape[axis] if axis in mesh.axis_names else 0
 
     def spec(path, leaf):
-        return NamedSharding(mesh, expert if is_expert_path(path) else P())
+        split = is_expert_path(path) and size and leaf.shape[0] % size == 0
+        return NamedSharding(mesh, P(axis) if split else P())
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 

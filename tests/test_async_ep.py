@@ -1,0 +1,271 @@
+"""Asynchronous expert parallelism: pool, queues, schedulers, executor vs. sync EP."""
+
+import collections
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from moe_jax.async_ep import tokens as tk
+from moe_jax.async_ep.baseline import SyncEngine
+from moe_jax.async_ep.executor import AsyncEngine, Delivery
+from moe_jax.async_ep.model import LayerKernels, TinyMoEConfig, bucket_for, init_params
+from moe_jax.async_ep.pool import Receptor, TokenPool, combine_topk
+from moe_jax.async_ep.queues import LayerQueues
+from moe_jax.async_ep.requests import Request
+from moe_jax.async_ep.schedulers import (DefragScheduler, FirstLayerFirst, MostTokensFirst,
+                                         SchedulerState, make_scheduler)
+from moe_jax.async_ep.tokens import LayerId, Token
+
+CONFIG = TinyMoEConfig(vocab=64, hidden=16, ffn=32, heads=2, num_blocks=2, num_experts=4,
+                       top_k=2, max_len=16)
+NUM_DEVICES, NUM_RANKS, SLOTS = 4, 2, 4
+SCHEDULERS = ("defrag", "mtfs", "flfs")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return LayerKernels(CONFIG, init_params(jax.random.PRNGKey(0), CONFIG), max_batch=8)
+
+
+def make_requests(num, seed, arrivals=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        prompt = [int(t) for t in rng.integers(0, CONFIG.vocab, size=int(rng.integers(1, 5)))]
+        arrival = int(rng.integers(0, 6)) if arrivals is None else arrivals[i]
+        out.append(Request(i, prompt, int(rng.integers(1, 6)), arrival=arrival))
+    return out
+
+
+_SYNC_CACHE = {}
+
+
+def sync_outputs(kernels, requests):
+    key = tuple((r.request_id, tuple(r.prompt), r.max_new_tokens) for r in requests)
+    if key not in _SYNC_CACHE:
+        # Outputs do not depend on arrival times: each request is computed alone.
+        result = SyncEngine(kernels, NUM_DEVICES, NUM_RANKS, SLOTS).run(requests)
+        assert result.finished
+        _SYNC_CACHE[key] = result.outputs
+    return _SYNC_CACHE[key]
+
+
+# ---------------------------------------------------------------- pool & queues
+
+def _part(j, data, weight=0.0, layer=tk.attention_layer(1, 0)):
+    return Token(7, 3, 0, layer, np.asarray(data, np.float32), part=j, weight=weight)
+
+
+@given(st.permutations(range(-1, 3)), st.integers(0, 2**31 - 1))
+def test_pool_merge_is_order_independent_and_equals_combine(order, seed):
+    rng = np.random.default_rng(seed)
+    data = {j: rng.normal(size=8).astype(np.float32) for j in range(-1, 3)}
+    weights = rng.dirichlet(np.ones(3)).astype(np.float32)
+    pool = TokenPool(top_k=3)
+    results = [pool.add(_part(j, data[j], weights[j] if j >= 0 else 0.0)) for j in order]
+    assert all(r is None for r in results[:-1])
+    merged = results[-1]
+    assert merged.part is None and merged.key == (7, 3, tk.attention_layer(1, 0))
+    expected = data[-1] + weights[0] * data[0] + weights[1] * data[1] + weights[2] * data[2]
+    np.testing.assert_array_equal(merged.data, expected.astype(np.float32))
+    np.testing.assert_array_equal(merged.data, combine_topk(data[-1], [data[j] for j in range(3)],
+                                                            list(weights)))
+    assert len(pool) == 0
+
+
+def test_pool_rejects_duplicates_and_bad_parts():
+    pool = TokenPool(top_k=2)
+    pool.add(_part(0, np.zeros(4)))
+    with pytest.raises(ValueError, match="duplicate"):
+        pool.add(_part(0, np.zeros(4)))
+    with pytest.raises(ValueError, match="part"):
+        pool.add(_part(2, np.zeros(4)))
+    with pytest.raises(ValueError, match="top_k"):
+        TokenPool(top_k=0)
+
+
+def test_queues_fifo_and_receptor():
+    layers = [tk.attention_layer(1, 0), tk.expert_layer(0, 1)]
+    queues = LayerQueues(layers)
+    receptor = Receptor(queues, TokenPool(top_k=1))
+    copy = Token(1, 0, 0, tk.expert_layer(0, 1), np.zeros(2, np.float32), part=0, weight=1.0)
+    assert receptor.receive([copy, _part(-1, np.zeros(2))]) == 1   # copy is ready at once
+    assert receptor.receive([_part(0, np.ones(2), 1.0)]) == 1       # merge completes
+    assert queues.lengths() == {layers[0]: 1, layers[1]: 1}
+    for i in range(3):
+        queues.push(Token(10 + i, 0, 0, layers[1], np.zeros(2, np.float32)))
+    assert [t.request_id for t in queues.pop(layers[1], 3)] == [1, 10, 11]
+    with pytest.raises(ValueError, match="token"):
+        queues.push(Token(0, 0, 0, tk.expert_layer(5, 5), np.zeros(2)))
+    with pytest.raises(ValueError, match="max_tokens"):
+        queues.pop(layers[1], 0)
+
+
+# ---------------------------------------------------------------- schedulers
+
+def _reference_defrag(queues, num_blocks, lookahead, decay):
+    stages = num_blocks + 1
+    best, best_score = None, -1.0
+    for layer in sorted(queues, key=lambda l: (l.order(), l.index)):
+        if queues[layer] == 0:
+            continue
+        score = queues[layer]
+        for k in range(1, lookahead + 1):
+            b = (layer.block + k) % stages
+            at = [n for l, n in queues.items() if l.block == b]
+            score += (sum(at) / len(at) if at else 0.0) * decay ** k
+        if score > best_score:
+            best, best_score = layer, score
+    return best
+
+
+@given(st.lists(st.integers(0, 6), min_size=9, max_size=9), st.integers(0, 8),
+       st.sampled_from([0.5, 0.8, 1.0]))
+def test_defrag_matches_reference(lengths, lookahead, decay):
+    layers = [tk.attention_layer(b, 0) for b in range(3)] + \
+             [tk.expert_layer(b, e) for b in range(3) for e in (0, 2)]
+    layers = layers[:8] + [tk.sampler_layer(3, 0)]
+    queues = dict(zip(layers, lengths))
+    got = DefragScheduler(lookahead, decay).pick(queues, SchedulerState(3))
+    assert got == _reference_defrag(queues, 3, lookahead, decay)
+
+
+def test_baseline_schedulers():
+    state = SchedulerState(2)
+    queues = {tk.attention_layer(0, 0): 1, tk.expert_layer(0, 1): 5,
+              tk.attention_layer(1, 0): 5, tk.sampler_layer(2, 0): 0}
+    assert FirstLayerFirst().pick(queues, state) == tk.attention_layer(0, 0)
+    assert MostTokensFirst().pick(queues, state) == tk.expert_layer(0, 1)  # earlier on ties
+    empty = {layer: 0 for layer in queues}
+    for s in (FirstLayerFirst(), MostTokensFirst(), DefragScheduler()):
+        assert s.pick(empty, state) is None
+    d = DefragScheduler()
+    assert (d.lookahead, d.decay) == (7, 0.8)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(lookahead=-1), "lookahead"),
+                                          (dict(lookahead=1.5), "lookahead"),
+                                          (dict(decay=0.0), "decay"),
+                                          (dict(decay=1.2), "decay")])
+def test_defrag_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DefragScheduler(**kwargs)
+
+
+def test_make_scheduler_validation():
+    with pytest.raises(ValueError, match="name"):
+        make_scheduler("lifo")
+    with pytest.raises(ValueError, match="kwargs"):
+        make_scheduler("mtfs", decay=0.5)
+    assert make_scheduler("defrag", lookahead=2, decay=0.5).lookahead == 2
+
+
+# ---------------------------------------------------------------- executor
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("delivery", [Delivery(), Delivery(seed=3, max_delay=2)])
+def test_async_matches_sync_baseline(kernels, scheduler, delivery):
+    requests = make_requests(10, seed=0)
+    expected = sync_outputs(kernels, requests)
+    engine = AsyncEngine(kernels, make_scheduler(scheduler), NUM_DEVICES, NUM_RANKS, SLOTS)
+    result = engine.run(requests, delivery=delivery)
+    assert result.finished
+    assert result.outputs == expected
+    for r in requests:
+        assert len(expected[r.request_id]) == r.max_new_tokens
+
+
+def test_sync_baseline_matches_single_request_runs(kernels):
+    requests = make_requests(5, seed=1)
+    together = SyncEngine(kernels, NUM_DEVICES, NUM_RANKS, SLOTS).run(requests).outputs
+    for r in requests:
+        alone = SyncEngine(kernels, 1, 1, 1).run([Request(r.request_id, r.prompt,
+                                                          r.max_new_tokens)]).outputs
+        assert alone[r.request_id] == together[r.request_id]
+
+
+@given(st.integers(1, 6).flatmap(lambda n: st.tuples(
+           st.permutations(range(n)), st.lists(st.integers(0, 8), min_size=n, max_size=n))),
+       st.integers(0, 2**16), st.integers(0, 3), st.sampled_from(SCHEDULERS))
+def test_no_token_lost_or_duplicated(kernels, order_and_arrivals, seed, max_delay, scheduler):
+    order, arrivals = order_and_arrivals
+    base = make_requests(len(order), seed=seed)
+    requests = [Request(base[i].request_id, base[i].prompt, base[i].max_new_tokens,
+                        arrival=arrivals[n]) for n, i in enumerate(order)]
+    engine = AsyncEngine(kernels, make_scheduler(scheduler), NUM_DEVICES, NUM_RANKS, SLOTS)
+    result = engine.run(requests, delivery=Delivery(seed=seed, max_delay=max_delay),
+                        record_log=True)
+    assert result.finished
+    assert result.outputs == sync_outputs(kernels, base)
+    counts = collections.Counter(result.log)
+    assert set(counts.values()) == {1}, "a token ran a layer twice"
+    expected = set()
+    for r in requests:
+        for pos, b in itertools.product(range(r.total_len), range(CONFIG.num_blocks)):
+            expected.add(("attention", b, r.request_id, pos, None))
+            expected.update(("expert", b, r.request_id, pos, j) for j in range(CONFIG.top_k))
+        expected.update(("sampler", CONFIG.num_blocks, r.request_id, pos, None)
+                        for pos in range(r.total_len))
+    assert set(counts) == expected
+    for ex in engine.last_executors:
+        assert len(ex.queues) == 0 and len(ex.pool) == 0
+
+
+def test_first_layer_first_livelock(kernels):
+    """A new request every tick: FLFS only ever runs block-0 attention; defrag finishes."""
+    rng = np.random.default_rng(5)
+    window = 40
+    requests = [Request(i, [int(rng.integers(0, CONFIG.vocab))], 2, arrival=i)
+                for i in range(window)]
+    kwargs = dict(num_devices=1, num_ranks=1, slots_per_rank=window)
+    flfs = AsyncEngine(kernels, FirstLayerFirst(), **kwargs)
+    stalled = flfs.run(requests, max_ticks=window)
+    assert not stalled.finished
+    assert all(len(out) == 0 for out in stalled.outputs.values())
+    (ex,) = flfs.last_executors
+    assert set(ex.executions) == {tk.attention_layer(0, 0)}
+    assert ex.executions[tk.attention_layer(0, 0)] == window
+
+    defrag = AsyncEngine(kernels, DefragScheduler(), **kwargs)
+    within = defrag.run(requests, max_ticks=window)
+    # The single device is overloaded (one arrival per tick), yet later layers
+    # run and requests complete while arrivals continue.
+    assert sum(len(out) == 2 for out in within.outputs.values()) >= 1
+    assert tk.sampler_layer(CONFIG.num_blocks, 0) in defrag.last_executors[0].executions
+    complete = defrag.run(requests)
+    assert complete.finished
+    assert complete.outputs == sync_outputs(kernels, requests)
+
+
+def test_bucketed_compilation_stops_after_warmup():
+    config = TinyMoEConfig(vocab=32, hidden=8, ffn=16, heads=2, num_blocks=2, num_experts=2,
+                           top_k=1, max_len=12)
+    kern = LayerKernels(config, init_params(jax.random.PRNGKey(1), config), max_batch=4)
+    rng = np.random.default_rng(0)
+
+    def workload(n, seed):
+        r = np.random.default_rng(seed)
+        return [Request(i, [int(t) for t in r.integers(0, 32, size=int(r.integers(1, 4)))],
+                        int(r.integers(1, 5)), arrival=int(r.integers(0, 4))) for i in range(n)]
+
+    engine = AsyncEngine(kern, DefragScheduler(), num_devices=2, num_ranks=1, slots_per_rank=8)
+    counts = []
+    for seed in range(6):
+        engine.run(workload(8, seed), delivery=Delivery(seed=int(rng.integers(1 << 30)),
+                                                        max_delay=1))
+        counts.append(kern.compile_count)
+    # 3 functions x 3 buckets x 2 devices is the most there can ever be.
+    assert 0 < counts[-1] <= 3 * 3 * 2
+    assert counts[-1] == counts[-3], counts
+    calls = kern.calls
+    engine.run(workload(8, 99))
+    assert kern.compile_count == counts[-1] and kern.calls > calls
+
+
+def test_bucket_for():
+    assert [bucket_for(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="n must"):
+        bucket_for(9, 8)

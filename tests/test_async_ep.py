@@ -117,6 +117,7 @@ def _reference_defrag(queues, num_blocks, lookahead, decay):
             b = (layer.block + k) % stages
             at = [n for l, n in queues.items() if l.block == b]
             score += (sum(at) / len(at) if at else 0.0) * decay ** k
+        score = round(score, 9)
         if score > best_score:
             best, best_score = layer, score
     return best

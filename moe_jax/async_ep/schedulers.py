@@ -12,7 +12,7 @@ many blocks the pipeline has. None means every queue is empty.
   block b = its queue length + sum_{k=1..K} delta^k * mass(b + k mod N),
   where mass(b') is the tokens queued here at block b' divided by the number
   of layers hosted here at block b'; the best score wins. N counts the
-  sampler as one more block. Ties go to the earlier layer.
+  sampler as one more block. Ties (up to 1e-9) go to the earlier layer.
 """
 
 from __future__ import annotations
@@ -111,10 +111,12 @@ class DefragScheduler:
         scores = self.scores(queues, state)
         if not scores:
             return None
-        best = None
+        # Scores equal up to rounding (1e-9) are ties; ties go to the earlier layer.
+        best, best_score = None, None
         for layer, score in scores.items():  # already in forward order
-            if best is None or score > scores[best]:
-                best = layer
+            score = round(score, 9)
+            if best is None or score > best_score:
+                best, best_score = layer, score
         return best
 
 

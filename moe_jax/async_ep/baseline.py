@@ -16,6 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from moe_jax.async_ep import tokens as tk
 from moe_jax.async_ep.dispatcher import Placement
 from moe_jax.async_ep.executor import RunResult
 from moe_jax.async_ep.model import LayerKernels, embed
@@ -43,7 +44,16 @@ class SyncEngine:
         m = self.kernels.max_batch
         return [slice(i, min(i + m, n)) for i in range(0, n, m)]
 
-    def run(self, requests: Sequence[Request], max_steps: int = 100_000) -> RunResult:
+    def run(self, requests: Sequence[Request], max_steps: int = 100_000, timed: bool = False,
+            latency_s: float = 0.0, cost=None) -> RunResult:
+        """Runs until every request is done or `max_steps` steps.
+
+        With timed=False arrivals are in steps. With timed=True they are in
+        seconds of simulated time: devices overlap, so a phase (attention of a
+        block, its experts, the sampler) lasts as long as its busiest device
+        (measured wall time, or `cost(layer, n_rows)`), plus `latency_s` per
+        barrier; tokens are stamped with the simulated end of their step.
+        """
         k, c, pl = self.kernels, self.kernels.config, self.placement
         coordinator = Coordinator(self.num_ranks, self.slots_per_rank, c.max_len)
         caches = {r: k.new_cache(self.devices[d], self.slots_per_rank)
@@ -52,9 +62,24 @@ class SyncEngine:
         waiting = collections.deque()
         active: dict[int, tuple[int, np.ndarray]] = {}   # request_id -> (position, x)
         start = time.perf_counter()
-        executions, sizes, step = 0, [], 0
+        executions, sizes, step, clock = 0, [], 0, 0.0
+        busy = collections.Counter()
+
+        def timed_call(dev_index, layer, n, fn, *args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            busy[dev_index] += (time.perf_counter() - t0) if cost is None else cost(layer, n)
+            return out
+
+        def end_phase():
+            nonlocal clock
+            if busy:
+                clock += max(busy.values()) + latency_s
+            busy.clear()
+
         while step < max_steps:
-            while pending and pending[0].arrival <= step:
+            now = clock if timed else step
+            while pending and pending[0].arrival <= now:
                 waiting.append(pending.pop(0))
             while waiting:
                 state = coordinator.admit(waiting[0], step)
@@ -65,7 +90,10 @@ class SyncEngine:
             if not active:
                 if not pending and not waiting:
                     break
-                step += 1
+                if timed:
+                    clock = max(clock, pending[0].arrival) if pending else clock
+                else:
+                    step += 1
                 continue
             by_rank = collections.defaultdict(list)
             for rid in active:
@@ -77,7 +105,8 @@ class SyncEngine:
                     dev = self.devices[pl.rank_devices[r]]
                     for sl in self._chunks(len(rids)):
                         chunk = rids[sl]
-                        out = k.attention(dev, b, np.stack([xs[i] for i in chunk]),
+                        out = timed_call(pl.rank_devices[r], tk.attention_layer(b, r), len(chunk),
+                                         k.attention, dev, b, np.stack([xs[i] for i in chunk]),
                                           [active[i][0] for i in chunk],
                                           [coordinator.states[i].slot for i in chunk],
                                           caches[r][b], self.slots_per_rank)
@@ -86,6 +115,7 @@ class SyncEngine:
                         sizes.append(len(chunk))
                         for n, i in enumerate(chunk):
                             h[i], u[i], ids[i], w[i] = out[0][n], out[1][n], out[2][n], out[3][n]
+                end_phase()
                 # all-to-all: every expert runs on everything routed to it
                 outs = {}
                 for e in range(c.num_experts):
@@ -93,34 +123,42 @@ class SyncEngine:
                     dev = self.devices[pl.expert_devices[e]]
                     for sl in self._chunks(len(copies)):
                         chunk = copies[sl]
-                        y = k.expert(dev, b, e, np.stack([u[i] for i, _ in chunk]))
+                        y = timed_call(pl.expert_devices[e], tk.expert_layer(b, e), len(chunk),
+                                       k.expert, dev, b, e, np.stack([u[i] for i, _ in chunk]))
                         executions += 1
                         sizes.append(len(chunk))
                         for n, key in enumerate(chunk):
                             outs[key] = y[n]
+                end_phase()
                 for i in h:
                     xs[i] = combine_topk(h[i], [outs[(i, j)] for j in range(c.top_k)],
                                          [float(w[i][j]) for j in range(c.top_k)])
+            samples = []
             for r, rids in by_rank.items():
                 dev = self.devices[pl.rank_devices[r]]
                 for sl in self._chunks(len(rids)):
                     chunk = rids[sl]
-                    sampled = k.sampler(dev, np.stack([xs[i] for i in chunk]))
+                    sampled = timed_call(pl.rank_devices[r], tk.sampler_layer(c.num_blocks, r),
+                                         len(chunk), k.sampler, dev,
+                                         np.stack([xs[i] for i in chunk]))
                     executions += 1
                     sizes.append(len(chunk))
-                    for n, i in enumerate(chunk):
-                        pos = active[i][0]
-                        nxt = coordinator.on_sampled(i, pos, int(sampled[n]), step)
-                        if nxt is None:
-                            del active[i]
-                        else:
-                            active[i] = (pos + 1, embed(k.params, nxt, pos + 1))
+                    samples.extend(zip(chunk, sampled))
+            end_phase()
+            for i, token in samples:
+                pos = active[i][0]
+                nxt = coordinator.on_sampled(i, pos, int(token), clock if timed else step)
+                if nxt is None:
+                    del active[i]
+                else:
+                    active[i] = (pos + 1, embed(k.params, nxt, pos + 1))
             step += 1
         wall = time.perf_counter() - start
         states = coordinator.states
         return RunResult(
             outputs=coordinator.outputs(), ticks=step, finished=coordinator.all_done(requests),
             token_ticks={rid: list(s.token_times) for rid, s in states.items()},
-            token_times={rid: [t - start for t in s.token_walls] for rid, s in states.items()},
+            token_times={rid: (list(s.token_times) if timed else
+                               [t - start for t in s.token_walls]) for rid, s in states.items()},
             arrivals={r.request_id: r.arrival for r in requests}, wall_s=wall,
             executions=executions, mean_batch=float(np.mean(sizes)) if sizes else 0.0)

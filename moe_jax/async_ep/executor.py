@@ -200,3 +200,100 @@ class AsyncEngine:
             arrivals={r.request_id: r.arrival for r in requests},
             wall_s=wall, executions=len(sizes),
             mean_batch=float(np.mean(sizes)) if sizes else 0.0, log=log)
+
+
+class TimedAsyncEngine(AsyncEngine):
+    """AsyncEngine on simulated time: every device has its own clock.
+
+    The device whose next work is earliest runs next; a layer execution
+    advances that device's clock by its measured wall time (or by
+    `cost(layer, n_rows)` when given), and its outputs arrive `latency_s`
+    later. Devices therefore overlap in simulated time as real ones would,
+    while the host runs them one after another. Request arrivals are in
+    seconds of simulated time.
+    """
+
+    def run_timed(self, requests: Sequence[Request], latency_s: float = 0.0,
+                  max_executions: int = 1_000_000, cost=None) -> RunResult:
+        import heapq
+        c = self.kernels.config
+        coordinator = Coordinator(self.num_ranks, self.slots_per_rank, c.max_len)
+        dispatcher = Dispatcher(self.placement, coordinator, self.kernels.params)
+        sched = self._scheduler
+        executors = [DeviceExecutor(i, d, self.placement, self.kernels,
+                                    sched() if callable(sched) and not hasattr(sched, "pick")
+                                    else sched, coordinator, dispatcher, self.slots_per_rank)
+                     for i, d in enumerate(self.devices)]
+        clocks = [0.0] * len(executors)
+        inbox = [[] for _ in executors]     # per device heap of (time, seq, token)
+        seq = 0
+        pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        waiting: collections.deque = collections.deque()
+        executions = 0
+        start = time.perf_counter()
+
+        def admit(now):
+            nonlocal seq
+            while pending and pending[0].arrival <= now:
+                waiting.append(pending.popleft())
+            while waiting:
+                state = coordinator.admit(waiting[0], now)
+                if state is None:
+                    return
+                waiting.popleft()
+                dest, token = dispatcher.first_token(state.request.request_id, state.rank,
+                                                     state.request.prompt)
+                heapq.heappush(inbox[dest], (max(now, state.request.arrival), seq, token))
+                seq += 1
+
+        while executions < max_executions:
+            ready = []
+            for i, ex in enumerate(executors):
+                if len(ex.queues):
+                    ready.append((clocks[i], i))
+                elif inbox[i]:
+                    ready.append((max(clocks[i], inbox[i][0][0]), i))
+            next_arrival = pending[0].arrival if pending else float("inf")
+            if not ready and next_arrival == float("inf"):
+                break
+            now, i = min(ready) if ready else (next_arrival, -1)
+            if next_arrival <= now:
+                admit(next_arrival)
+                continue
+            admit(now)
+            ex = executors[i]
+            clocks[i] = now
+            arrived = []
+            while inbox[i] and inbox[i][0][0] <= now:
+                arrived.append(heapq.heappop(inbox[i])[2])
+            ex.receptor.receive(arrived)
+            layer = ex.scheduler.pick(ex.queues.lengths(), ex.state)
+            if layer is None:
+                continue
+            batch = ex.queues.pop(layer, self.kernels.max_batch)
+            ex.executions[layer] += 1
+            ex.batch_sizes.append(len(batch))
+            before = {t.request_id: len(coordinator.states[t.request_id].token_times)
+                      for t in batch} if layer.kind == tk.SAMPLER else {}
+            t0 = time.perf_counter()
+            out = ex.execute(layer, batch, now)
+            spent = time.perf_counter() - t0 if cost is None else cost(layer, len(batch))
+            clocks[i] = now + spent
+            for rid, n in before.items():   # stamp tokens with the end of the execution
+                times = coordinator.states[rid].token_times
+                times[n:] = [clocks[i]] * (len(times) - n)
+            for dest, token in out:
+                heapq.heappush(inbox[dest], (clocks[i] + latency_s, seq, token))
+                seq += 1
+            executions += 1
+        wall = time.perf_counter() - start
+        self.last_executors = executors
+        sizes = [s for ex in executors for s in ex.batch_sizes]
+        states = coordinator.states
+        return RunResult(
+            outputs=coordinator.outputs(), ticks=executions,
+            finished=coordinator.all_done(requests),
+            token_ticks={rid: list(s.token_times) for rid, s in states.items()},
+            token_times={rid: list(s.token_times) for rid, s in states.items()},
+            arrivals={r.request_id: r.arrival for r in requests}, wall_s=wall,
+            executions=len(sizes), mean_batch=float(np.mean(sizes)) if sizes else 0.0)

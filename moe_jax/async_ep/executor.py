@@ -206,7 +206,8 @@ class TimedAsyncEngine(AsyncEngine):
     """AsyncEngine on simulated time: every device has its own clock.
 
     The device whose next work is earliest runs next; a layer execution
-    advances that device's clock by its measured wall time (or by
+    advances that device's clock by the measured wall time of its kernel
+    call (padding, transfer, run, copy back; `LayerKernels.last_call_s`), or by
     `cost(layer, n_rows)` when given), and its outputs arrive `latency_s`
     later. Devices therefore overlap in simulated time as real ones would,
     while the host runs them one after another. Request arrivals are in
@@ -275,9 +276,8 @@ class TimedAsyncEngine(AsyncEngine):
             ex.batch_sizes.append(len(batch))
             before = {t.request_id: len(coordinator.states[t.request_id].token_times)
                       for t in batch} if layer.kind == tk.SAMPLER else {}
-            t0 = time.perf_counter()
             out = ex.execute(layer, batch, now)
-            spent = time.perf_counter() - t0 if cost is None else cost(layer, len(batch))
+            spent = self.kernels.last_call_s if cost is None else cost(layer, len(batch))
             clocks[i] = now + spent
             for rid, n in before.items():   # stamp tokens with the end of the execution
                 times = coordinator.states[rid].token_times

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import jax
@@ -183,6 +184,7 @@ class LayerKernels:
         self.buckets = bucket_sizes(max_batch)
         self.compile_count = 0
         self.calls = 0
+        self.last_call_s = 0.0   # wall time of the latest attention/expert/sampler call
         self._attention = jax.jit(lambda *a: attention_fn(*a, heads=config.heads,
                                                           top_k=config.top_k))
         self._expert = jax.jit(expert_fn)
@@ -228,24 +230,51 @@ class LayerKernels:
 
     def attention(self, device, block: int, x, pos, slot, cache, spare_slot: int):
         """Runs attention of `block` on rows x [n,H]; returns host arrays + new cache."""
+        t0 = time.perf_counter()
         n = x.shape[0]
         pb = self.params_on(device)["attention"][block]
         args = (self._pad(np.asarray(x, np.float32)), self._pad(np.asarray(pos, np.int32)),
                 self._pad(np.asarray(slot, np.int32), spare_slot))
         args = tuple(jax.device_put(a, device) for a in args)
         h, u, ids, w, kc, vc = self._run(self._attention, pb, *args, cache[0], cache[1])
-        return (np.asarray(h)[:n], np.asarray(u)[:n], np.asarray(ids)[:n],
+        out = (np.asarray(h)[:n], np.asarray(u)[:n], np.asarray(ids)[:n],
                 np.asarray(w)[:n], (kc, vc))
+        self.last_call_s = time.perf_counter() - t0
+        return out
 
     def expert(self, device, block: int, expert: int, u):
+        """SwiGLU of expert `expert` of `block` on rows u [n,H] -> [n,H]."""
+        t0 = time.perf_counter()
         n = u.shape[0]
         w_gate, w_up, w_down = self.params_on(device)["experts"][block][expert]
         x = jax.device_put(self._pad(np.asarray(u, np.float32)), device)
-        out = self._run(self._expert, w_gate, w_up, w_down, x)
-        return np.asarray(out)[:n]
+        out = np.asarray(self._run(self._expert, w_gate, w_up, w_down, x))[:n]
+        self.last_call_s = time.perf_counter() - t0
+        return out
 
     def sampler(self, device, x):
+        """Greedy token ids int32 [n] of final hidden rows x [n,H]."""
+        t0 = time.perf_counter()
         n = x.shape[0]
         p = self.params_on(device)
         xs = jax.device_put(self._pad(np.asarray(x, np.float32)), device)
-        return np.asarray(self._run(self._sampler, p["final_norm"], p["lm_head"], xs))[:n]
+        out = np.asarray(self._run(self._sampler, p["final_norm"], p["lm_head"], xs))[:n]
+        self.last_call_s = time.perf_counter() - t0
+        return out
+
+    def warm_up(self, attention_devices, expert_devices, slots: int) -> int:
+        """Compiles every bucket of every function on the devices that run it;
+        returns the compilations this caused."""
+        before = self.compile_count
+        h = self.config.hidden
+        for device in attention_devices:
+            cache = self.new_cache(device, slots)[0]
+            for size in self.buckets:
+                zeros = np.zeros((size, h), np.float32)
+                idx = np.zeros((size,), np.int32)
+                self.attention(device, 0, zeros, idx, idx + slots, cache, slots)
+                self.sampler(device, zeros)
+        for device in expert_devices:
+            for size in self.buckets:
+                self.expert(device, 0, 0, np.zeros((size, h), np.float32))
+        return self.compile_count - before

@@ -20,7 +20,7 @@ device). Prefill is run token by token (teacher forcing) in both systems.
 Reports generated tokens/s and inter-token latency (mean, p50, p99) against
 offered load for async with each scheduler and for synchronous EP.
 
-Writes <out>/async_ep_cpu.{json,md,png}.
+Writes <out>/async_ep_cpu<suffix>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ flags.DEFINE_float("model_row_us", 2.0, "--cost=model: cost per padded row.")
 flags.DEFINE_integer("max_executions", 400_000, "Async: stop after this many executions.")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("out", "docs/benchmarks", "Output folder.")
+flags.DEFINE_string("suffix", "", "Appended to the output stem async_ep_cpu.")
 
 RANGES = {"short": ((30, 70), (70, 130)), "medium": ((50, 150), (50, 250))}
 
@@ -177,9 +178,10 @@ def main(argv):
             "decay", "num_devices", "num_ranks", "slots_per_rank", "num_blocks",
             "num_experts", "top_k", "hidden", "ffn", "max_batch", "expert_skew",
             "latency_us", "cost", "seed"]},
-        compilations=compiles_warm, expert_share_block0=[round(float(s), 4) for s in share])
+        compilations=compiles_warm,
+        model_us=[FLAGS.model_fixed_us, FLAGS.model_row_us], expert_share_block0=[round(float(s), 4) for s in share])
     os.makedirs(FLAGS.out, exist_ok=True)
-    stem = os.path.join(FLAGS.out, "async_ep_cpu")
+    stem = os.path.join(FLAGS.out, "async_ep_cpu" + FLAGS.suffix)
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=1)
     write_md(stem + ".md", meta, rows)
@@ -196,8 +198,12 @@ def write_md(path, meta, rows):
              f"- XLA compilations (all at warm-up, none afterwards): {meta['compilations']}",
              f"- router share per expert (block 0, random inputs): {meta['expert_share_block0']}",
              "",
-             "Simulated time: every layer execution costs its measured wall time on these CPU "
-             "devices (a tiny model: fixed per-call overheads dominate), async devices overlap "
+             ("Simulated time: every layer execution costs its measured wall time on these CPU "
+              "devices (a tiny model: fixed per-call overheads dominate)"
+              if meta["flags"]["cost"] == "measured" else
+              "Simulated time: every layer execution costs the model a + b * padded rows "
+              f"(a = {meta['model_us'][0]} us, b = {meta['model_us'][1]} us; the kernels still "
+              "run on the CPU devices to produce the tokens)") + ", async devices overlap "
              "on their own clocks, the synchronous baseline waits for the busiest device after "
              "every attention, expert and sampler phase. These numbers describe the scheduling "
              "behaviour on CPU devices, not GPU serving performance.", "",

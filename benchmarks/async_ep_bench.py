@@ -193,7 +193,7 @@ def write_md(path, meta, rows):
     lines = ["# Asynchronous vs. synchronous expert parallelism (CPU devices)", "",
              f"- date: {meta['date']}", f"- command: `{meta['command']}`",
              f"- devices: {meta['devices']}",
-             f"- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- flags: `{json.dumps(meta['flags'])}`",
              f"- XLA compilations (all at warm-up, none afterwards): {meta['compilations']}",
              f"- router share per expert (block 0, random inputs): {meta['expert_share_block0']}",

@@ -17,7 +17,7 @@ from moe_jax.async_ep.queues import LayerQueues
 from moe_jax.async_ep.requests import Request
 from moe_jax.async_ep.schedulers import (DefragScheduler, FirstLayerFirst, MostTokensFirst,
                                          SchedulerState, make_scheduler)
-from moe_jax.async_ep.tokens import LayerId, Token
+from moe_jax.async_ep.tokens import Token
 
 CONFIG = TinyMoEConfig(vocab=64, hidden=16, ffn=32, heads=2, num_blocks=2, num_experts=4,
                        top_k=2, max_len=16)

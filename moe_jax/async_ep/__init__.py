@@ -12,3 +12,16 @@ from moe_jax.async_ep.queues import LayerQueues
 from moe_jax.async_ep.pool import TokenPool, Receptor, combine_topk
 from moe_jax.async_ep.schedulers import (DefragScheduler, FirstLayerFirst, MostTokensFirst,
                                          Scheduler, SchedulerState, make_scheduler)
+from moe_jax.async_ep.requests import Coordinator, Request
+from moe_jax.async_ep.dispatcher import Dispatcher, Placement
+from moe_jax.async_ep.model import LayerKernels, TinyMoEConfig, init_params
+from moe_jax.async_ep.executor import AsyncEngine, Delivery, DeviceExecutor, RunResult, TimedAsyncEngine
+from moe_jax.async_ep.baseline import SyncEngine
+
+__all__ = [
+    "AsyncEngine", "Coordinator", "DefragScheduler", "Delivery", "DeviceExecutor", "Dispatcher",
+    "FirstLayerFirst", "LayerId", "LayerKernels", "LayerQueues", "MostTokensFirst", "Placement",
+    "Receptor", "Request", "RunResult", "Scheduler", "SchedulerState", "SyncEngine",
+    "TimedAsyncEngine", "TinyMoEConfig", "Token", "TokenPool", "attention_layer", "combine_topk",
+    "expert_layer", "init_params", "make_scheduler", "sampler_layer",
+]

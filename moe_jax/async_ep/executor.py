@@ -179,7 +179,6 @@ class AsyncEngine:
                 by_device[dest].append(token)
             for dest, toks in by_device.items():
                 executors[dest].receptor.receive(toks)
-            now = time.perf_counter() - start
             for ex in executors:
                 for msg in ex.step(tick, log):
                     delay = 1 if rng is None else 1 + int(rng.integers(0, delivery.max_delay + 1))

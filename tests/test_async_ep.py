@@ -289,3 +289,52 @@ def test_timed_engines_match(kernels, scheduler):
     assert sync.finished and sync.outputs == result.outputs
     for times in list(result.token_times.values()) + list(sync.token_times.values()):
         assert times == sorted(times)
+
+
+def _reference_generate(params, config, prompt, max_new):
+    """Whole-sequence numpy forward (causal attention, dense top-k MoE), greedy."""
+    def norm(x, s):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * s
+
+    def silu(x):
+        return x / (1 + np.exp(-x))
+
+    seq = list(prompt)
+    hd = config.hidden // config.heads
+    while len(seq) < len(prompt) + max_new:
+        n = len(seq)
+        x = params["embed"][seq] + params["pos"][:n]
+        for p in params["blocks"]:
+            xn = norm(x, p["attn_norm"])
+            q, k, v = (np.asarray(xn @ p[w]).reshape(n, config.heads, hd) for w in ("wq", "wk", "wv"))
+            s = np.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+            s = np.where(np.tril(np.ones((n, n), bool)), s, -1e30)
+            a = np.exp(s - s.max(-1, keepdims=True))
+            a /= a.sum(-1, keepdims=True)
+            h = x + np.einsum("hqk,khd->qhd", a, v).reshape(n, -1) @ p["wo"]
+            u = norm(h, p["moe_norm"])
+            logits = u @ p["router"] + p["router_bias"]
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            top = np.argsort(-probs, axis=-1, kind="stable")[:, :config.top_k]
+            w = np.take_along_axis(probs, top, -1)
+            w /= w.sum(-1, keepdims=True)
+            ew = p["experts"]
+            out = np.zeros_like(h)
+            for j in range(config.top_k):
+                e = top[:, j]
+                g = np.einsum("nh,nhf->nf", u, ew.w_gate[e])
+                up = np.einsum("nh,nhf->nf", u, ew.w_up[e])
+                out += w[:, j:j + 1] * np.einsum("nf,nfh->nh", silu(g) * up, ew.w_down[e])
+            x = h + out
+        logits = norm(x[-1], params["final_norm"]) @ params["lm_head"]
+        seq.append(int(np.argmax(logits)))
+    return seq[len(prompt):]
+
+
+def test_sync_baseline_matches_whole_sequence_reference(kernels):
+    requests = make_requests(6, seed=4)
+    outputs = sync_outputs(kernels, requests)
+    for r in requests:
+        assert outputs[r.request_id] == _reference_generate(
+            kernels.params, CONFIG, r.prompt, r.max_new_tokens)

@@ -37,9 +37,14 @@ def write_report(json_path: str) -> str:
              ""]
     if meta.get("partial"):
         lines += ["**Partial run** (stopped before every configuration ran).", ""]
+    if meta.get("timing") == "loop":
+        lines += ["Timing `loop`: all measured steps run inside one jitted fori_loop "
+                  "(fresh routing per step, no host work between steps); `mean` is the "
+                  "median over 3 such runs of their mean per step, `p99` the slowest "
+                  "run (no per-step percentiles in this mode).", ""]
     lines += ["Latencies in microseconds, timed per step on the host around a "
-              "synchronous call (includes JAX's dispatch overhead); `pipelined` is "
-              "the mean of back-to-back calls. `floor` is the time to move the "
+              "synchronous call (includes JAX's dispatch overhead) unless the timing "
+              "is `loop`; `pipelined` is the mean of back-to-back calls. `floor` is the time to move the "
               "actual rows there and back at the measured bandwidth. Overflow: "
               "fraction of per-peer counts above C (spill pass used); fallback: "
               "above C+S.", ""]

@@ -25,11 +25,16 @@ def _rows(paths):
         with open(path) as f:
             data = json.load(f)
         sources.append((path, data["meta"]))
+        timing = data["meta"].get("timing", "host")
         for r in data["results"]:
             if "error" in r:
                 continue
-            rows[(r["phase"], r["tokens"], r["method"], r.get("quantile"))] = r
+            rows[(timing, r["phase"], r["tokens"], r["method"], r.get("quantile"))] = r
     return rows, sources
+
+
+TIMINGS = {"loop": "device-side: all steps in one jitted loop, mean per step",
+           "host": "host-timed: each step around a synchronous call"}
 
 
 def _cell(r):
@@ -38,16 +43,21 @@ def _cell(r):
 
 def summarize(paths) -> str:
     rows, sources = _rows(paths)
-    tokens = sorted({k[1] for k in rows})
+    tokens = sorted({k[2] for k in rows})
     out = []
-    for phase, title in (("dc", "dispatch + combine"), ("layer", "whole layer")):
-        out += [f"Mean {title} latency, microseconds per step (cap_and_spill at q=0.99):", "",
+    for timing, phase, title in [(t, p, n) for t in ("loop", "host")
+                                 for p, n in (("dc", "dispatch + combine"),
+                                              ("layer", "whole layer"))]:
+        if not any(k[0] == timing and k[1] == phase for k in rows):
+            continue
+        out += [f"Mean {title} latency, microseconds per step, {TIMINGS[timing]} "
+                "(cap_and_spill at q=0.99):", "",
                 "| T/GPU | " + " | ".join(m for m, _ in METHODS)
                 + " | max_counts / cap_and_spill:lax | ragged / cap_and_spill:lax"
                 + (" | byte floor |" if phase == "dc" else " |"),
                 "|" + " --- |" * (len(METHODS) + 3 + (phase == "dc"))]
         for t in tokens:
-            cells = [rows.get((phase, t, m, q)) for m, q in METHODS]
+            cells = [rows.get((timing, phase, t, m, q)) for m, q in METHODS]
             if not any(cells):
                 continue
             base, cas, rag = cells[0], cells[1], cells[3]

@@ -54,8 +54,9 @@ def summarize(paths) -> str:
                 "(cap_and_spill at q=0.99):", "",
                 "| T/GPU | " + " | ".join(m for m, _ in METHODS)
                 + " | max_counts / cap_and_spill:lax | ragged / cap_and_spill:lax"
+                + " | fallback guard (lax minus noguard)"
                 + (" | byte floor |" if phase == "dc" else " |"),
-                "|" + " --- |" * (len(METHODS) + 3 + (phase == "dc"))]
+                "|" + " --- |" * (len(METHODS) + 4 + (phase == "dc"))]
         for t in tokens:
             cells = [rows.get((timing, phase, t, m, q)) for m, q in METHODS]
             if not any(cells):
@@ -63,7 +64,10 @@ def summarize(paths) -> str:
             base, cas, rag = cells[0], cells[1], cells[3]
             r1 = f"{base['mean_us'] / cas['mean_us']:.2f}x" if base and cas else "—"
             r2 = f"{rag['mean_us'] / cas['mean_us']:.2f}x" if rag and cas else "—"
-            line = f"| {t} | " + " | ".join(_cell(c) for c in cells) + f" | {r1} | {r2} |"
+            noguard = rows.get((timing, phase, t, "cap_and_spill:noguard", 0.99))
+            guard = (f"{cas['mean_us'] - noguard['mean_us']:+.0f}" if cas and noguard else "—")
+            line = (f"| {t} | " + " | ".join(_cell(c) for c in cells)
+                    + f" | {r1} | {r2} | {guard} |")
             if phase == "dc":
                 floor = next((c["byte_floor_dc_us"] for c in cells if c), None)
                 line += f" {floor:.0f} |" if floor else " — |"

@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_jax as mj
 from moe_jax.dispatch import DispatchContext
+from moe_jax.dispatch.api import exchange_counts
 from moe_jax.dispatch.cap_and_spill import cap_and_spill
 from moe_jax.dispatch.passes import return_window, send_window
 from moe_jax.plan import make_plan, worst_case_rows_per_peer
@@ -147,9 +148,9 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
         kw = dict(capacity=capacity, spill_capacity=spill)
         if noguard:
             plan = make_plan(ids, ranks, experts_per_rank)
-            counts = ctx.all_to_all(plan.send_expert_counts[:, None, :])[:, 0, :]
+            counts, peers = exchange_counts(plan, ctx)
             return cap_and_spill(x, w, plan, ctx, expert_fn, recv_expert_counts=counts,
-                                 _measure_without_fallback=True, **kw)[0]
+                                 peer_counts=peers, _measure_without_fallback=True, **kw)[0]
         return mj.dispatch_combine(x, ids, w, expert_fn, strategy=strategy, ctx=ctx,
                                    experts_per_rank=experts_per_rank, **kw).out
 

@@ -29,6 +29,19 @@ class DispatchResult(NamedTuple):
     delivered: Delivered | None
 
 
+def exchange_counts(plan, ctx: DispatchContext):
+    """One all-gather of every rank's [P, E_local] send counts.
+
+    Returns (recv_expert_counts [P, E_local]: rows each source sends this
+    rank's experts, peer_counts [P, P]: rows from each source to each
+    destination, the same on every rank). The stats and the fallback's
+    predicate come from peer_counts, so they need no other collective.
+    """
+    everyone = ctx.all_gather(plan.send_expert_counts)          # [P(src), P(dst), E_local]
+    recv = jax.lax.dynamic_index_in_dim(everyone, ctx.rank(), axis=1, keepdims=False)
+    return recv, jnp.sum(everyone, axis=2)
+
+
 def _check(cond, argument, message):
     if not cond:
         raise ValueError(f"dispatch_combine: argument '{argument}' {message}")
@@ -75,12 +88,13 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                f"must be an integer >= 0 for cap_and_spill, got {spill_capacity!r}")
     ctx.start_chain()
     plan = make_plan(expert_ids.astype(jnp.int32), ctx.num_ranks, experts_per_rank)
-    recv_expert_counts = ctx.all_to_all(plan.send_expert_counts[:, None, :])[:, 0, :]
+    recv_expert_counts, peer_counts = exchange_counts(plan, ctx)
     delivered_rows = None
     if return_delivered:
         delivered_rows = ctx.num_ranks * worst_case_rows_per_peer(
             x.shape[0], plan.top_k, experts_per_rank)
     out, stats, delivered = STRATEGIES[strategy](
         x, weights, plan, ctx, expert_fn, recv_expert_counts=recv_expert_counts,
-        capacity=capacity, spill_capacity=spill_capacity, delivered_rows=delivered_rows)
+        capacity=capacity, spill_capacity=spill_capacity, peer_counts=peer_counts,
+        delivered_rows=delivered_rows)
     return DispatchResult(out.astype(x.dtype), stats, delivered)

@@ -1,9 +1,11 @@
 """cap_and_spill: pass 1 at capacity C, pass 2 at S, an exact fallback beyond.
 
-Both passes always run with fixed shapes and no host sync. Streams longer
-than C + S (rare when C and S come from calibration) are finished by a third
-pass under `lax.cond`; its predicate is a `pmax` over the expert axis, so
-every rank takes the same branch and the collectives inside stay matched.
+Both passes always run with fixed shapes. Streams longer than C + S (rare
+when C and S come from calibration) are finished by a third pass under
+`lax.cond`; its predicate comes from the (source, destination) counts every
+rank all-gathered, so every rank takes the same branch and the collectives
+inside stay matched. On GPU, XLA reads that predicate on the host
+(docs/design/cap_and_spill_fallback.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from moe_jax.plan import worst_case_rows_per_peer
 
 
 def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_counts,
-                  capacity: int, spill_capacity: int, delivered_rows=None,
+                  capacity: int, spill_capacity: int, peer_counts, delivered_rows=None,
                   _measure_without_fallback: bool = False, **_):
     """`_measure_without_fallback` drops the exact fallback (inexact; only for
     measuring what the fallback's guard costs)."""
@@ -30,7 +32,7 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
     out, delivered = window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
                                  start=0, capacity=cap, spill_capacity=spill,
                                  delivered_rows=delivered_rows)
-    stats = stream_stats(plan.send_counts, ctx, cap, spill)
+    stats = stream_stats(peer_counts, cap, spill)
     residual = worst - cap - spill
     if residual == 0 or _measure_without_fallback:
         return out, stats, delivered

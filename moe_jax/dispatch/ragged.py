@@ -15,7 +15,7 @@ from moe_jax.plan import exclusive_cumsum, worst_case_rows_per_peer
 
 
 def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_counts,
-           delivered_rows=None, **_):
+           peer_counts, delivered_rows=None, **_):
     num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
     num_slots = plan.sorted_slots.shape[0]
     recv_rows = num_ranks * worst_case_rows_per_peer(x.shape[0], plan.top_k, num_local)
@@ -41,4 +41,4 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
     delivered = None
     if delivered_rows is not None:
         delivered = deliver(rows, canonical, recv_expert_counts, delivered_rows)
-    return out, stream_stats(plan.send_counts, ctx), delivered
+    return out, stream_stats(peer_counts), delivered

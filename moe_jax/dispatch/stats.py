@@ -7,7 +7,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.dispatch.context import DispatchContext
 
 
 class DispatchStats(NamedTuple):
@@ -41,16 +40,18 @@ class DispatchStats(NamedTuple):
                              self.fallback_steps + other.fallback_steps)
 
 
-def stream_stats(send_counts: jax.Array, ctx: DispatchContext, capacity: int | None = None,
+def stream_stats(peer_counts: jax.Array, capacity: int | None = None,
                  spill_capacity: int = 0) -> DispatchStats:
-    """Stats of this call's streams for a pass-1 capacity (None: no cap)."""
-    counts = send_counts.astype(jnp.int32)
-    rows = ctx.psum(jnp.sum(counts))
-    max_peer = ctx.pmax(jnp.max(counts))
+    """Stats of one call from the [P, P] (source, destination) row counts,
+    which every rank holds (so the stats need no further collective and are
+    equal on every rank). capacity None: no cap."""
+    counts = peer_counts.astype(jnp.int32)
+    rows = jnp.sum(counts)
+    max_peer = jnp.max(counts)
     if capacity is None:
         zero = jnp.zeros((), jnp.int32)
         return DispatchStats(rows, max_peer, zero, zero, zero, zero)
-    spilled = ctx.psum(jnp.sum(jnp.clip(counts - capacity, 0, spill_capacity)))
-    overflow = ctx.psum(jnp.sum(jnp.maximum(counts - capacity - spill_capacity, 0)))
+    spilled = jnp.sum(jnp.clip(counts - capacity, 0, spill_capacity))
+    overflow = jnp.sum(jnp.maximum(counts - capacity - spill_capacity, 0))
     return DispatchStats(rows, max_peer, spilled, overflow, (spilled > 0).astype(jnp.int32),
                          (overflow > 0).astype(jnp.int32))

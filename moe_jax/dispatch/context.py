@@ -133,14 +133,14 @@ class DispatchContext:
         Built as a psum of x placed in this rank's row, so the result is
         typed replicated over the axis (as it is) and usable as a predicate.
         """
-        if self.axis_name is None or self.num_ranks == 1:
+        if self.axis_name is None:
             return x[None]
         placed = jnp.zeros((self.num_ranks,) + x.shape, x.dtype).at[self.rank()].set(x)
         return self.psum(placed)
 
     def rank(self) -> jax.Array:
         """This rank's index along the expert axis (int32 scalar)."""
-        if self.axis_name is None or self.num_ranks == 1:
+        if self.axis_name is None:
             return jnp.zeros((), jnp.int32)
         return jax.lax.axis_index(self.axis_name).astype(jnp.int32)
 

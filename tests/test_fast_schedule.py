@@ -5,25 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from moe_jax.fast import reference as ref
-from moe_jax.fast import workloads
-
-
-@st.composite
-def traffic_cases(draw):
-  n = draw(st.integers(1, 8))
-  m = draw(st.integers(1, 8))
-  seed = draw(st.integers(0, 2**31 - 1))
-  kind = draw(st.sampled_from(["uniform", "zipf", "sparse"]))
-  rng = np.random.default_rng(seed)
-  g = n * m
-  if kind == "uniform":
-    t = workloads.uniform_matrix(rng, g, mean=draw(st.sampled_from([1, 5, 100])))
-  elif kind == "zipf":
-    t = workloads.zipf_matrix(rng, g, draw(st.floats(0.4, 0.9)),
-                              mean=draw(st.sampled_from([3, 50, 1000])))
-  else:
-    t = rng.integers(0, 20, (g, g)) * (rng.random((g, g)) < 0.15)
-  return t.astype(np.int64), n, m
+from fast_testing import traffic_cases
 
 
 def _check(t, n, m):

@@ -13,11 +13,10 @@ import collections
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from moe_jax.async_ep import tokens as tk
-from moe_jax.async_ep.dispatcher import Placement
+from moe_jax.async_ep.dispatcher import Placement, cpu_devices_and_placement
 from moe_jax.async_ep.executor import RunResult
 from moe_jax.async_ep.model import LayerKernels, embed
 from moe_jax.async_ep.pool import combine_topk
@@ -29,16 +28,12 @@ class SyncEngine:
 
     def __init__(self, kernels: LayerKernels, num_devices: int = 2, num_ranks: int = 1,
                  slots_per_rank: int = 8, placement: Placement | None = None):
-        devices = jax.devices("cpu")
-        if not 1 <= num_devices <= len(devices):
-            raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices}")
-        c = kernels.config
         self.kernels = kernels
-        self.placement = placement or Placement.colocated(num_devices, num_ranks,
-                                                          c.num_experts, c.num_blocks)
+        devices, self.placement = cpu_devices_and_placement(kernels.config, num_devices,
+                                                            num_ranks, placement)
         self.num_ranks = len(self.placement.rank_devices)
         self.slots_per_rank = slots_per_rank
-        self.devices = devices[:num_devices]
+        self.devices = devices
 
     def _chunks(self, n):
         m = self.kernels.max_batch

@@ -120,3 +120,17 @@ def as_batch(tokens: Sequence[Token]) -> tuple[np.ndarray, np.ndarray]:
     """Stacked data float32 [n, H] and positions int32 [n] of a batch."""
     return (np.stack([t.data for t in tokens]).astype(np.float32),
             np.asarray([t.position for t in tokens], np.int32))
+
+
+def cpu_devices_and_placement(config, num_devices: int, num_ranks: int,
+                              placement: Placement | None):
+    """The first `num_devices` CPU devices and the placement on them (default:
+    Placement.colocated); raises ValueError for an impossible device count."""
+    import jax  # noqa: PLC0415
+
+    devices = jax.devices("cpu")
+    if not 1 <= num_devices <= len(devices):
+        raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices}")
+    placement = placement or Placement.colocated(num_devices, num_ranks, config.num_experts,
+                                                 config.num_blocks)
+    return devices[:num_devices], placement

@@ -21,11 +21,11 @@ import dataclasses
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from moe_jax.async_ep import tokens as tk
-from moe_jax.async_ep.dispatcher import Dispatcher, Placement, as_batch
+from moe_jax.async_ep.dispatcher import (Dispatcher, Placement, as_batch,
+                                         cpu_devices_and_placement)
 from moe_jax.async_ep.model import LayerKernels
 from moe_jax.async_ep.pool import Receptor, TokenPool
 from moe_jax.async_ep.queues import LayerQueues
@@ -131,21 +131,16 @@ class AsyncEngine:
 
     def __init__(self, kernels: LayerKernels, scheduler, num_devices: int = 2,
                  num_ranks: int = 1, slots_per_rank: int = 8, placement: Placement | None = None):
-        devices = jax.devices("cpu")
-        if not 1 <= num_devices <= len(devices):
-            raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices}")
-        c = kernels.config
         self.kernels = kernels
-        self.placement = placement or Placement.colocated(num_devices, num_ranks,
-                                                          c.num_experts, c.num_blocks)
+        self.devices, self.placement = cpu_devices_and_placement(
+            kernels.config, num_devices, num_ranks, placement)
         self.num_devices = num_devices
         self.num_ranks = len(self.placement.rank_devices)
         self.slots_per_rank = slots_per_rank
-        self.devices = devices[:num_devices]
         self._scheduler = scheduler
 
-    def run(self, requests: Sequence[Request], max_ticks: int = 100_000,
-            delivery: Delivery = Delivery(), record_log: bool = False) -> RunResult:
+    def _wire(self):
+        """A fresh coordinator, dispatcher and one executor per device."""
         c = self.kernels.config
         coordinator = Coordinator(self.num_ranks, self.slots_per_rank, c.max_len)
         dispatcher = Dispatcher(self.placement, coordinator, self.kernels.params)
@@ -154,6 +149,11 @@ class AsyncEngine:
                                     sched() if callable(sched) and not hasattr(sched, "pick")
                                     else sched, coordinator, dispatcher, self.slots_per_rank)
                      for i, d in enumerate(self.devices)]
+        return coordinator, dispatcher, executors
+
+    def run(self, requests: Sequence[Request], max_ticks: int = 100_000,
+            delivery: Delivery = Delivery(), record_log: bool = False) -> RunResult:
+        coordinator, dispatcher, executors = self._wire()
         rng = None if delivery.seed is None else np.random.default_rng(delivery.seed)
         pending = sorted(requests, key=lambda r: r.arrival)
         waiting: collections.deque = collections.deque()
@@ -216,14 +216,7 @@ class TimedAsyncEngine(AsyncEngine):
     def run_timed(self, requests: Sequence[Request], latency_s: float = 0.0,
                   max_executions: int = 1_000_000, cost=None) -> RunResult:
         import heapq
-        c = self.kernels.config
-        coordinator = Coordinator(self.num_ranks, self.slots_per_rank, c.max_len)
-        dispatcher = Dispatcher(self.placement, coordinator, self.kernels.params)
-        sched = self._scheduler
-        executors = [DeviceExecutor(i, d, self.placement, self.kernels,
-                                    sched() if callable(sched) and not hasattr(sched, "pick")
-                                    else sched, coordinator, dispatcher, self.slots_per_rank)
-                     for i, d in enumerate(self.devices)]
+        coordinator, dispatcher, executors = self._wire()
         clocks = [0.0] * len(executors)
         inbox = [[] for _ in executors]     # per device heap of (time, seq, token)
         seq = 0

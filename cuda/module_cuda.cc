@@ -1,9 +1,12 @@
 // moe_jax._ffi_cuda: hands the CUDA FFI handlers to Python for
 // jax.ffi.register_ffi_target(name, value, platform="CUDA"), where value is a
 // handler capsule or, for multi-stage handlers, {stage name: capsule}.
+#include <utility>
+
 #include <nanobind/nanobind.h>
 
 #include "handlers_cuda.h"
+#include "nvlink_handlers.h"
 #ifdef MOE_JAX_WITH_NCCL
 #include <nanobind/stl/string.h>
 
@@ -21,6 +24,17 @@ NB_MODULE(_ffi_cuda, m) {
         d["moe_jax_pack"] = nb::capsule(reinterpret_cast<void*>(MoeJaxPackCuda));
         d["moe_jax_combine"] =
             nb::capsule(reinterpret_cast<void*>(MoeJaxCombineCuda));
+        const std::pair<const char*, void*> nvlink[] = {
+            {"moe_jax_nvlink_dispatch_send", reinterpret_cast<void*>(MoeJaxNvlinkDispatchSend)},
+            {"moe_jax_nvlink_dispatch_recv", reinterpret_cast<void*>(MoeJaxNvlinkDispatchRecv)},
+            {"moe_jax_nvlink_combine_send", reinterpret_cast<void*>(MoeJaxNvlinkCombineSend)},
+            {"moe_jax_nvlink_combine_recv", reinterpret_cast<void*>(MoeJaxNvlinkCombineRecv)}};
+        for (const auto& [name, execute] : nvlink) {
+          nb::dict stages;
+          stages["prepare"] = nb::capsule(reinterpret_cast<void*>(MoeJaxNvlinkPrepare));
+          stages["execute"] = nb::capsule(execute);
+          d[name] = stages;
+        }
 #ifdef MOE_JAX_WITH_NCCL
         nb::dict stages;
         stages["prepare"] =

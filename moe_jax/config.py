@@ -14,7 +14,7 @@ KernelImpl = Literal["custom_call", "reference"]
 RouterKind = Literal["softmax", "sigmoid_grouped"]
 
 STRATEGIES = ("dense", "max_counts", "cap_and_spill", "ragged")
-TRANSPORTS = ("lax", "custom_call")
+TRANSPORTS = ("lax", "custom_call", "nvlink")
 KERNEL_IMPLS = ("custom_call", "reference")
 ROUTERS = ("softmax", "sigmoid_grouped")
 
@@ -45,7 +45,9 @@ class MoEConfig:
       transport: how buffers cross ranks: "lax" (`lax.all_to_all`, or
         `lax.ragged_all_to_all` for the ragged strategy on GPU) or
         "custom_call" (moe_jax's own all-to-all custom call; on CPU it also
-        gives the ragged strategy the ragged all-to-all XLA:CPU lacks).
+        gives the ragged strategy the ragged all-to-all XLA:CPU lacks) or
+        "nvlink" (count-aware peer-to-peer kernels that move only the real
+        rows; GPUs of one process, strategies ragged and cap_and_spill).
       kernel_impl: "custom_call" runs pack/combine as XLA FFI custom calls,
         "reference" runs their pure-JAX references instead.
       expert_axis: name of the mesh axis experts are sharded over.

@@ -68,7 +68,8 @@ def mesh_of(ranks: int, backend: str = "cpu") -> jax.sharding.Mesh:
 def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
                      compute_dtype, backend):
     mesh = mesh_of(ranks, backend)
-    ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu")
+    ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu",
+                          tuple(mesh.devices.flat))
 
     def body(x, ids, w, wg, wu, wd):
         res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),

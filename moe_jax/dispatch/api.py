@@ -11,6 +11,7 @@ from moe_jax.dispatch.cap_and_spill import cap_and_spill
 from moe_jax.dispatch.context import DispatchContext
 from moe_jax.dispatch.dense import dense
 from moe_jax.dispatch.max_counts import max_counts
+from moe_jax.dispatch.nvlink_path import nvlink_dispatch_combine
 from moe_jax.dispatch.passes import Delivered, ExpertFn
 from moe_jax.dispatch.ragged import ragged
 from moe_jax.dispatch.stats import DispatchStats
@@ -86,6 +87,17 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                f"must be an integer >= 1 for cap_and_spill, got {capacity!r}")
         _check(spill_capacity is not None and spill_capacity >= 0, "spill_capacity",
                f"must be an integer >= 0 for cap_and_spill, got {spill_capacity!r}")
+    if ctx.transport == "nvlink" and strategy != "dense" and ctx.num_ranks > 1:
+        _check(strategy in ("ragged", "cap_and_spill"), "strategy",
+               f"must be 'ragged' or 'cap_and_spill' with transport 'nvlink', got {strategy!r}")
+        _check(ctx.platform == "gpu", "ctx", "must target GPUs for transport 'nvlink'")
+        _check(ctx.mesh_devices is not None, "ctx",
+               "must carry mesh_devices (the mesh's devices) for transport 'nvlink'")
+        out, stats, delivered = nvlink_dispatch_combine(
+            x, expert_ids, weights, expert_fn, strategy=strategy, ctx=ctx,
+            experts_per_rank=experts_per_rank, capacity=capacity,
+            spill_capacity=spill_capacity, return_delivered=return_delivered)
+        return DispatchResult(out.astype(x.dtype), stats, delivered)
     ctx.start_chain()
     plan = make_plan(expert_ids.astype(jnp.int32), ctx.num_ranks, experts_per_rank)
     recv_expert_counts, peer_counts = exchange_counts(plan, ctx)

@@ -31,10 +31,13 @@ class DispatchContext:
 
     axis_name: the expert mesh axis (None when there is one rank).
     num_ranks: P, ranks along axis_name.
-    transport: "lax" (XLA collectives) or "custom_call" (moe_jax's own:
-      the in-process all-to-all on CPU, NCCL on XLA's communicator on GPU).
+    transport: "lax" (XLA collectives), "custom_call" (moe_jax's own: the
+      in-process all-to-all on CPU, NCCL on XLA's communicator on GPU) or
+      "nvlink" (count-aware peer-to-peer kernels, GPUs of one process;
+      strategies "ragged" and "cap_and_spill").
     kernel_impl: "custom_call" or "reference" for pack / combine.
     platform: "cpu" or "gpu" (the platform the program is compiled for).
+    mesh_devices: the mesh's devices in mesh order (needed by "nvlink").
 
     On CPU every collective a strategy issues goes through this context,
     which chains them by data dependencies into one program order. XLA:CPU runs independent operations concurrently on a
@@ -47,6 +50,7 @@ class DispatchContext:
     transport: str = "lax"
     kernel_impl: str = "custom_call"
     platform: str = "cpu"
+    mesh_devices: tuple | None = None
     _chain: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property

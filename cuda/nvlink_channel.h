@@ -1,0 +1,127 @@
+// Count-aware NVLink dispatch/combine: the host-side view of a channel and
+// the four kernel launchers (plain C++, no device code).
+//
+// A channel is the persistent state one expert-parallel group of GPUs shares
+// for one (tokens, top_k, experts_per_rank, row_bytes) signature: on every
+// rank one device allocation holding
+//
+//   counters  u64[4 * P + 8]: dispatch arrivals / acks, combine arrivals /
+//             acks (one per peer), then 4 call epochs and 4 block tallies
+//   headers   i32[2][P][P * E_local]: each source's send counts, per parity
+//   dispatch  [2][P][W][row_bytes]: rows each source wrote, per parity
+//   combine   [2][P][W][row_bytes]: expert outputs each expert rank returned
+//
+// with W = T * min(k, E_local), the most rows one source can send one rank.
+// Senders store rows straight into the receiver's buffers over NVLink (peer
+// access), then raise the receiver's arrival counter; receivers wait on it
+// on the device. Buffers alternate between two parities by call count, and
+// a sender only reuses a parity once every receiver acknowledged reading it,
+// so at most two sends per channel may be outstanding. Counts never leave
+// the device and nothing synchronizes with the host: every launcher enqueues
+// kernels only (command-buffer compatible).
+#ifndef MOE_JAX_CUDA_NVLINK_CHANNEL_H_
+#define MOE_JAX_CUDA_NVLINK_CHANNEL_H_
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "pack_combine.h"
+
+#ifdef __CUDACC__
+#define MOE_JAX_HD __host__ __device__
+#else
+#define MOE_JAX_HD
+#endif
+
+namespace moe_jax::cuda::nvlink {
+
+inline constexpr int kMaxRanks = 8;
+inline constexpr int kMaxExperts = 1024;        // P * E_local
+inline constexpr int kMaxLocalExperts = 256;    // E_local
+
+// Counter slots (u64) at the start of every rank's block.
+struct Counters {
+  MOE_JAX_HD static int64_t DispatchArrive(int p, int src) { return src; }
+  MOE_JAX_HD static int64_t DispatchAck(int p, int dst) { return p + dst; }
+  MOE_JAX_HD static int64_t CombineArrive(int p, int src) { return 2 * p + src; }
+  MOE_JAX_HD static int64_t CombineAck(int p, int dst) { return 3 * p + dst; }
+  MOE_JAX_HD static int64_t Epoch(int p, int call) { return 4 * p + call; }   // call 0..3
+  MOE_JAX_HD static int64_t Tally(int p, int call) { return 4 * p + 4 + call; }
+  MOE_JAX_HD static int64_t Count(int p) { return 4 * p + 8; }
+};
+
+enum Call : int { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
+
+struct ChannelShape {
+  int32_t num_ranks = 0;         // P
+  int32_t experts_per_rank = 0;  // E_local
+  int64_t tokens = 0;            // T
+  int32_t top_k = 0;             // k
+  int64_t row_bytes = 0;         // H * itemsize, a multiple of 16
+
+  MOE_JAX_HD int64_t Slots() const { return tokens * top_k; }
+  MOE_JAX_HD int64_t RowsPerSource() const {  // W
+    return tokens * (top_k < experts_per_rank ? top_k : experts_per_rank);
+  }
+  MOE_JAX_HD int64_t NumExperts() const { return int64_t{num_ranks} * experts_per_rank; }
+  MOE_JAX_HD int64_t CountersBytes() const { return Counters::Count(num_ranks) * 8; }
+  MOE_JAX_HD int64_t HeadersOffset() const { return CountersBytes(); }
+  MOE_JAX_HD int64_t HeaderInts() const { return NumExperts(); }  // one source's [P, E_local]
+  MOE_JAX_HD int64_t HeadersBytes() const { return 2 * num_ranks * HeaderInts() * 4; }
+  MOE_JAX_HD int64_t DispatchOffset() const {
+    return (HeadersOffset() + HeadersBytes() + 255) / 256 * 256;
+  }
+  MOE_JAX_HD int64_t StagingBytes() const { return 2 * num_ranks * RowsPerSource() * row_bytes; }
+  MOE_JAX_HD int64_t CombineOffset() const { return DispatchOffset() + StagingBytes(); }
+  MOE_JAX_HD int64_t TotalBytes() const { return CombineOffset() + StagingBytes(); }
+};
+
+// What one rank's kernels see: every rank's block (peer pointers) and its
+// own rank. Passed by value.
+struct ChannelView {
+  ChannelShape shape;
+  int32_t rank = 0;
+  uint8_t* base[kMaxRanks] = {};
+};
+
+// Blocks each kernel launches: a function of the shape only, equal on every
+// rank (receivers count arrivals in sender blocks).
+int SendBlocks(const ChannelShape& s);
+int RecvBlocks(const ChannelShape& s);
+int CombineSendBlocks(const ChannelShape& s);
+int CombineRecvBlocks(const ChannelShape& s);
+
+// Once per device (current device) before the first launch for this shape.
+cudaError_t ConfigureKernels(const ChannelShape& s);
+
+// dispatch send: positions of this rank's (token, pick) slots in their
+// streams, send counts, then the rows into the receivers' buffers.
+//   x [T, row_bytes]; expert_ids [T * k] i32 (out of range: dropped)
+//   slot_pos [T * k] i32 out (-1 for dropped picks); send_counts [P * E_local] i32 out
+cudaError_t LaunchDispatchSend(const ChannelView& ch, const void* x,
+                               const int32_t* expert_ids, int32_t* slot_pos,
+                               int32_t* send_counts, cudaStream_t stream);
+
+// dispatch recv: waits for every source, then copies the rows into `rows`
+// [P * W, row_bytes] grouped by local expert, within an expert by (source,
+// token, pick). Rows past the received total are left as they were.
+//   group_sizes [E_local] i32 out; all_counts [P, P, E_local] i32 out
+cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, int32_t* group_sizes,
+                               int32_t* all_counts, cudaStream_t stream);
+
+// combine send: expert outputs y [P * W, row_bytes] (the layout dispatch
+// recv produced) back to their sources. all_counts from dispatch recv.
+cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y,
+                              const int32_t* all_counts, cudaStream_t stream);
+
+// combine recv: out[t] = sum_j weights[t, j] * returned row of (t, j), float32
+// accumulation in pick order (multiply and add rounded separately), stored
+// as `type`. slot_pos and expert_ids as dispatch send saw them.
+cudaError_t LaunchCombineRecv(const ChannelView& ch, ElemType type,
+                              const int32_t* expert_ids, const int32_t* slot_pos,
+                              const float* weights, void* out, cudaStream_t stream);
+
+}  // namespace moe_jax::cuda::nvlink
+
+#endif  // MOE_JAX_CUDA_NVLINK_CHANNEL_H_

@@ -1,0 +1,15 @@
+// XLA FFI handlers of the NVLink transport (nvlink_handlers.cc), registered
+// for platform "CUDA" with a shared prepare stage:
+//   moe_jax_nvlink_dispatch_send / _dispatch_recv / _combine_send / _combine_recv
+#ifndef MOE_JAX_CUDA_NVLINK_HANDLERS_H_
+#define MOE_JAX_CUDA_NVLINK_HANDLERS_H_
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchRecv);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkCombineSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkCombineRecv);
+
+#endif  // MOE_JAX_CUDA_NVLINK_HANDLERS_H_

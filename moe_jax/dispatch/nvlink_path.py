@@ -1,0 +1,39 @@
+"""Strategies over the count-aware NVLink transport (moe_jax/nvlink.py).
+
+One kernel pair moves exactly the rows that exist, so "ragged" and both
+passes of "cap_and_spill" become the same transfer: there is no padding,
+no spill window and no fallback to guard (the receive buffers hold the
+worst case). Capacity and spill only shape the stats, which say how many
+rows a two-pass dispatch would have spilled.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from moe_jax import nvlink
+from moe_jax.dispatch.context import DispatchContext
+from moe_jax.dispatch.passes import Delivered
+from moe_jax.dispatch.stats import stream_stats
+
+
+def nvlink_dispatch_combine(x, expert_ids, weights, expert_fn, *, strategy: str,
+                            ctx: DispatchContext, experts_per_rank: int, capacity=None,
+                            spill_capacity=None, return_delivered: bool = False):
+    """Returns (out [T, H] in x.dtype, DispatchStats, Delivered or None)."""
+    ids = expert_ids.astype(jnp.int32)
+    channel, got = nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank,
+                                   axis_name=ctx.axis_name, mesh_devices=ctx.mesh_devices)
+    y = expert_fn(got.rows, got.group_sizes).astype(x.dtype)
+    out = nvlink.combine(channel, y, got, ids, weights, axis_name=ctx.axis_name)
+    peer_counts = jnp.sum(got.all_counts, axis=2)
+    if strategy == "cap_and_spill":
+        stats = stream_stats(peer_counts, capacity, channel.rows)
+    else:
+        stats = stream_stats(peer_counts)
+    delivered = None
+    if return_delivered:
+        valid = jnp.arange(channel.rows) < jnp.sum(got.group_sizes)
+        rows = jnp.where(valid[:, None], got.rows, jnp.zeros((), got.rows.dtype))
+        delivered = Delivered(rows, valid, got.group_sizes)
+    return out, stats, delivered

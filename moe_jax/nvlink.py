@@ -1,0 +1,205 @@
+"""Count-aware NVLink dispatch and combine (CUDA custom calls).
+
+Senders store each (token, pick) row straight into the receiving GPU's
+persistent buffer over NVLink and raise a device-side flag; receivers wait
+on the flags on the device. Only the rows that exist cross the link, the
+counts never leave the device, shapes stay static and nothing synchronizes
+with the host, so every call is graph-capturable. The send and receive
+halves are separate calls: work placed between them (a shared expert, say)
+overlaps the transfer.
+
+Receive buffers belong to a channel: one per (devices of the expert group,
+T, k, E_local, H * itemsize), allocated once on every GPU of the group
+(2 x 2 x P x T x min(k, E_local) rows per GPU) and shared by every call of
+that signature. At most two sends per channel may be outstanding (each
+half alternates between two buffers). Single process, one GPU per rank,
+all ranks with peer access (one NVLink domain, P <= 8).
+
+Layout of the dispatched rows: [P * W, H], W = T * min(k, E_local), grouped
+by local expert and within an expert by (source rank, token, pick), the
+canonical order every moe_jax strategy delivers; rows past
+sum(group_sizes) are unspecified.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import custom_calls
+from moe_jax.plan import worst_case_rows_per_peer
+
+DISPATCH_SEND = "moe_jax_nvlink_dispatch_send"
+DISPATCH_RECV = "moe_jax_nvlink_dispatch_recv"
+COMBINE_SEND = "moe_jax_nvlink_combine_send"
+COMBINE_RECV = "moe_jax_nvlink_combine_recv"
+MAX_RANKS = 8
+
+
+class Dispatched(NamedTuple):
+    """What dispatch delivers to one rank.
+
+    rows: [P * W, H] received rows grouped by local expert (see module doc).
+    group_sizes: [E_local] int32 rows per local expert.
+    all_counts: [P(src), P(dst), E_local] int32 rows every source sent every
+      expert (the same on every rank).
+    slot_pos: [T, k] int32 stream position of this rank's picks (combine
+      needs it; -1 for ids out of range, which are dropped).
+    """
+
+    rows: jax.Array
+    group_sizes: jax.Array
+    all_counts: jax.Array
+    slot_pos: jax.Array
+
+
+def _check(cond, operand, message):
+    if not cond:
+        raise ValueError(f"moe_jax_nvlink: argument '{operand}' {message}")
+
+
+def device_ordinal_groups(axis_name: str, mesh_devices) -> np.ndarray:
+    """[G, P] CUDA device ordinals of every group along `axis_name`, rank order.
+
+    mesh_devices: the mesh's devices in mesh order (`mesh.devices.flat`).
+    """
+    devices = list(mesh_devices)
+    groups = custom_calls.replica_groups(axis_name)
+    _check(groups.size == len(devices), "mesh_devices",
+           f"must list the {groups.size} devices of the mesh, got {len(devices)}")
+    _check(groups.shape[1] <= MAX_RANKS, "axis_name",
+           f"spans {groups.shape[1]} ranks; the NVLink transport takes at most {MAX_RANKS}")
+    here = jax.process_index()
+    _check(all(d.process_index == here for d in devices), "mesh_devices",
+           "must all belong to this process (the NVLink transport is single-process)")
+    _check(all(d.platform == "gpu" for d in devices), "mesh_devices",
+           "must be GPUs")
+    ordinals = np.array([d.local_hardware_id for d in devices], np.int64)
+    return ordinals[groups]
+
+
+class Channel(NamedTuple):
+    """Static attributes naming one channel (see the module doc)."""
+
+    device_ordinals: np.ndarray   # [G, P]
+    experts_per_rank: int
+    tokens: int
+    top_k: int
+    hidden: int
+    dtype: jnp.dtype
+
+    @property
+    def num_ranks(self) -> int:
+        return self.device_ordinals.shape[1]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the dispatched buffer: P * T * min(k, E_local)."""
+        return self.num_ranks * worst_case_rows_per_peer(self.tokens, self.top_k,
+                                                         self.experts_per_rank)
+
+    def attrs(self) -> dict:
+        return dict(device_ordinals=self.device_ordinals.reshape(-1).astype(np.int64),
+                    group_size=np.int64(self.num_ranks),
+                    experts_per_rank=np.int64(self.experts_per_rank),
+                    tokens=np.int64(self.tokens), top_k=np.int64(self.top_k),
+                    row_bytes=np.int64(self.hidden * jnp.dtype(self.dtype).itemsize))
+
+
+def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
+                mesh_devices) -> Channel:
+    """Validates the operands (at trace time) and names their channel."""
+    _check(x.ndim == 2 and x.dtype in custom_calls.FLOAT_DTYPES, "x",
+           f"must be [T, H] float32/bfloat16/float16, got {x.dtype}{list(x.shape)}")
+    _check((x.shape[1] * x.dtype.itemsize) % 16 == 0, "x",
+           f"rows must be a multiple of 16 bytes, got H={x.shape[1]} of {x.dtype}")
+    _check(expert_ids.ndim == 2 and expert_ids.shape[0] == x.shape[0]
+           and expert_ids.dtype == jnp.int32, "expert_ids",
+           f"must be int32 [T={x.shape[0]}, k], got {expert_ids.dtype}{list(expert_ids.shape)}")
+    groups = device_ordinal_groups(axis_name, mesh_devices)
+    _check(1 <= experts_per_rank <= 256 and groups.shape[1] * experts_per_rank <= 1024,
+           "experts_per_rank", f"must be in [1, 256] with P * E_local <= 1024, "
+           f"got {experts_per_rank}")
+    return Channel(groups, int(experts_per_rank), int(x.shape[0]), int(expert_ids.shape[1]),
+                   int(x.shape[1]), jnp.dtype(x.dtype))
+
+
+def _call(target, channel: Channel, axis_name, out_types, operands):
+    custom_calls._require_handlers(target, "gpu")
+    return custom_calls._call_ffi(target, out_types, operands, channel.attrs(),
+                                  extra_axes=(axis_name,), has_side_effect=True)
+
+
+def dispatch_send(channel: Channel, x, expert_ids, *, axis_name: str):
+    """First half of dispatch: rows leave for their experts' GPUs.
+
+    Returns (slot_pos [T, k] int32, send_counts [P, E_local] int32).
+    """
+    p, e_local = channel.num_ranks, channel.experts_per_rank
+    out_types = (jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
+                 jax.ShapeDtypeStruct((p, e_local), jnp.int32))
+    return tuple(_call(DISPATCH_SEND, channel, axis_name, out_types, (x, expert_ids)))
+
+
+def dispatch_recv(channel: Channel, slot_pos, *, axis_name: str):
+    """Second half: waits for every source. Returns (rows, group_sizes, all_counts)."""
+    p, e_local = channel.num_ranks, channel.experts_per_rank
+    out_types = (jax.ShapeDtypeStruct((channel.rows, channel.hidden), channel.dtype),
+                 jax.ShapeDtypeStruct((e_local,), jnp.int32),
+                 jax.ShapeDtypeStruct((p, p, e_local), jnp.int32))
+    return tuple(_call(DISPATCH_RECV, channel, axis_name, out_types, (slot_pos,)))
+
+
+def combine_send(channel: Channel, y, all_counts, *, axis_name: str):
+    """First half of combine: expert outputs y (dispatched layout) go home.
+
+    Returns a token to hand to combine_recv.
+    """
+    _check(y.shape == (channel.rows, channel.hidden) and y.dtype == channel.dtype, "y",
+           f"must be {channel.dtype}[{channel.rows}, {channel.hidden}] (the dispatched "
+           f"layout and dtype), got {y.dtype}{list(y.shape)}")
+    out_type = jax.ShapeDtypeStruct((1,), jnp.int32)
+    return _call(COMBINE_SEND, channel, axis_name, out_type, (y, all_counts))
+
+
+def combine_recv(channel: Channel, done, expert_ids, slot_pos, weights, *, axis_name: str):
+    """Second half: out[t] = sum_j weights[t, j] * expert output of (t, j).
+
+    Float32 accumulation in pick order (as moe_jax_combine), stored in the
+    dispatched dtype. Returns [T, H].
+    """
+    _check(weights.shape == expert_ids.shape and weights.dtype == jnp.float32, "weights",
+           f"must be float32 {list(expert_ids.shape)}, got {weights.dtype}{list(weights.shape)}")
+    out_type = jax.ShapeDtypeStruct((channel.tokens, channel.hidden), channel.dtype)
+    return _call(COMBINE_RECV, channel, axis_name, out_type,
+                 (done, expert_ids, slot_pos, weights))
+
+
+def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
+             mesh_devices) -> tuple[Channel, Dispatched]:
+    """Both halves of dispatch, inside `jax.shard_map` over `axis_name`.
+
+    Args:
+      x: [T, H] float32/bfloat16/float16 tokens of this rank; H * itemsize a
+        multiple of 16 bytes.
+      expert_ids: [T, k] int32 global expert ids, distinct per token.
+      experts_per_rank: E_local (global expert e lives on rank e // E_local).
+      mesh_devices: the mesh's devices in mesh order.
+    Returns (channel, Dispatched). Graph-capturable.
+    """
+    channel = channel_for(x, expert_ids, experts_per_rank=experts_per_rank,
+                          axis_name=axis_name, mesh_devices=mesh_devices)
+    slot_pos, _ = dispatch_send(channel, x, expert_ids, axis_name=axis_name)
+    rows, group_sizes, all_counts = dispatch_recv(channel, slot_pos, axis_name=axis_name)
+    return channel, Dispatched(rows, group_sizes, all_counts, slot_pos)
+
+
+def combine(channel: Channel, y, dispatched: Dispatched, expert_ids, weights, *,
+            axis_name: str):
+    """Both halves of combine: [T, H] in the dispatched dtype. Graph-capturable."""
+    done = combine_send(channel, y, dispatched.all_counts, axis_name=axis_name)
+    return combine_recv(channel, done, expert_ids, dispatched.slot_pos, weights,
+                        axis_name=axis_name)

@@ -1,0 +1,92 @@
+"""The NVLink transport's trace-time checks (CPU): clear errors that name
+the argument; its kernels are covered by tests/test_gpu_nvlink.py."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import moe_jax as mj
+from moe_jax import nvlink
+from moe_testing import mesh_of
+
+
+def _lower(body, mesh, *args):
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * len(args), out_specs=P("ep"))
+    return jax.jit(fn).lower(*args)
+
+
+def test_config_accepts_nvlink():
+    assert mj.MoEConfig(hidden_size=8, ffn_size=8, num_experts=2, strategy="ragged",
+                        transport="nvlink").transport == "nvlink"
+
+
+def test_dispatch_combine_on_cpu_names_ctx():
+    mesh = mesh_of(2, "cpu")
+    ctx = mj.DispatchContext("ep", 2, "nvlink", "custom_call", "cpu", tuple(mesh.devices.flat))
+
+    def body(x, ids, w):
+        return mj.dispatch_combine(x, ids, w, lambda r, s: r, strategy="ragged", ctx=ctx,
+                                   experts_per_rank=1).out
+
+    with pytest.raises(ValueError, match="argument 'ctx'"):
+        _lower(body, mesh, jnp.ones((8, 16)), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)))
+
+
+def test_max_counts_is_not_an_nvlink_strategy():
+    mesh = mesh_of(2, "cpu")
+    ctx = mj.DispatchContext("ep", 2, "nvlink", "custom_call", "gpu", tuple(mesh.devices.flat))
+
+    def body(x, ids, w):
+        return mj.dispatch_combine(x, ids, w, lambda r, s: r, strategy="max_counts", ctx=ctx,
+                                   experts_per_rank=1).out
+
+    with pytest.raises(ValueError, match="argument 'strategy'"):
+        _lower(body, mesh, jnp.ones((8, 16)), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)))
+
+
+@pytest.mark.parametrize("x, ids, argument", [
+    (jnp.ones((4, 6), jnp.bfloat16), jnp.zeros((4, 1), jnp.int32), "x"),       # 12-byte rows
+    (jnp.ones((4, 16), jnp.int32), jnp.zeros((4, 1), jnp.int32), "x"),         # not float
+    (jnp.ones((4, 16), jnp.float32), jnp.zeros((4, 1), jnp.int64 if jax.config.x64_enabled
+                                               else jnp.int16), "expert_ids"),
+    (jnp.ones((4, 16), jnp.float32), jnp.zeros((3, 1), jnp.int32), "expert_ids"),
+])
+def test_channel_checks_name_the_operand(x, ids, argument):
+    mesh = mesh_of(2, "cpu")
+
+    def body(x, ids):
+        nvlink.channel_for(x, ids, experts_per_rank=1, axis_name="ep",
+                           mesh_devices=tuple(mesh.devices.flat))
+        return x
+
+    with pytest.raises(ValueError, match=f"argument '{argument}'"):
+        _lower(body, mesh, jnp.concatenate([x, x]), jnp.concatenate([ids, ids]))
+
+
+def test_channel_rejects_cpu_devices():
+    mesh = mesh_of(2, "cpu")
+
+    def body(x, ids):
+        nvlink.channel_for(x, ids, experts_per_rank=1, axis_name="ep",
+                           mesh_devices=tuple(mesh.devices.flat))
+        return x
+
+    with pytest.raises(ValueError, match="argument 'mesh_devices'"):
+        _lower(body, mesh, jnp.ones((8, 16)), jnp.zeros((8, 1), jnp.int32))
+
+
+def test_channel_size_is_the_worst_case():
+    mesh = mesh_of(4, "cpu")
+    groups = None
+
+    def body(x, ids):
+        nonlocal groups
+        groups = mj.custom_calls.replica_groups("ep")
+        return x
+
+    _lower(body, mesh, jnp.ones((8, 16)), jnp.zeros((8, 1), jnp.int32))
+    assert groups.shape == (1, 4)
+    ch = nvlink.Channel(groups, 2, 128, 8, 7168, jnp.dtype(jnp.bfloat16))
+    assert ch.rows == 4 * 128 * 2
+    assert int(ch.attrs()["row_bytes"]) == 7168 * 2

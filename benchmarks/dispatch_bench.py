@@ -10,6 +10,8 @@ calibrated Mixtral-8x7B trace model:
   cap_and_spill   C from a quantile of the trace model's per-peer counts,
                   transport lax.all_to_all ("lax") or one NCCL group ("nccl")
   ragged          lax.ragged_all_to_all (only real rows move)
+  ragged:nvlink   moe_jax's count-aware NVLink kernels (only real rows move,
+                  no host sync); also cap_and_spill:nvlink
   gshard          GShard one-hot einsum dispatch (capacity T per expert: exact)
 
 Phases: "dispatch" (pack + all-to-all), "combine" (all-to-all back + merge),
@@ -37,6 +39,7 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_jax as mj
+from moe_jax import nvlink
 from moe_jax.dispatch import DispatchContext
 from moe_jax.dispatch.api import exchange_counts
 from moe_jax.dispatch.cap_and_spill import cap_and_spill
@@ -125,10 +128,12 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
     """A jitted function (x, ids, w) -> output for one method and phase."""
     strategy, _, transport = method.partition(":")
     noguard = transport == "noguard"
-    transport = {"nccl": "custom_call", "": "lax", "lax": "lax", "noguard": "lax"}[transport]
+    transport = {"nccl": "custom_call", "": "lax", "lax": "lax", "noguard": "lax",
+                 "nvlink": "nvlink"}[transport]
     experts_per_rank = FLAGS.experts // ranks
     backend = "cpu" if mesh.devices.flat[0].platform == "cpu" else "gpu"
-    ctx = DispatchContext("ep", ranks, transport, "custom_call", backend)
+    ctx = DispatchContext("ep", ranks, transport, "custom_call", backend,
+                          tuple(mesh.devices.flat))
     worst = worst_case_rows_per_peer(tokens, FLAGS.top_k, experts_per_rank)
     expert_fn = _swiglu(experts) if phase == "layer" else _identity
 
@@ -138,6 +143,9 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
             expert_fn = _swiglu(mj.ExpertWeights(*expert_weights))
         if strategy == "gshard":
             return _gshard(x, ids, w, expert_fn, ctx, experts_per_rank, phase)
+        if transport == "nvlink" and phase == "dispatch":
+            return nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank, axis_name="ep",
+                                   mesh_devices=ctx.mesh_devices)[1].rows
         if phase in ("dispatch", "combine") and strategy in ("max_counts", "cap_and_spill"):
             plan = make_plan(ids, ranks, experts_per_rank)
             cap, sp = (worst, 0) if strategy == "max_counts" else (capacity, spill)
@@ -257,7 +265,9 @@ def main(argv):
         floor_us = actual_rows * FLAGS.hidden * 2 / bandwidth * 1e6 * 2
         configs = []
         for method in FLAGS.methods:
-            if method.startswith("cap_and_spill"):
+            if method == "cap_and_spill:nvlink":  # C does not change what moves
+                configs.append((method, 0.99, _calibrate(ranks, tokens, 0.99)))
+            elif method.startswith("cap_and_spill"):
                 for q in map(float, FLAGS.quantiles):
                     calib = _calibrate(ranks, tokens, q)
                     configs.append((method, q, calib))
@@ -276,7 +286,8 @@ def main(argv):
                         and (q != 0.99 or method == "cap_and_spill:noguard"):
                     continue  # the halves at one quantile; every quantile as dc and layer
                 if (method == "ragged" and phase in ("dispatch", "combine")) or (
-                        method == "gshard" and phase == "combine"):
+                        method in ("gshard", "ragged:nvlink", "cap_and_spill:nvlink")
+                        and phase == "combine"):
                     continue
                 cap = calib.capacity if calib else None
                 spill = calib.spill_capacity if calib else None

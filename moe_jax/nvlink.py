@@ -127,10 +127,18 @@ def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
                    int(x.shape[1]), jnp.dtype(x.dtype))
 
 
-def _call(target, channel: Channel, axis_name, out_types, operands):
+def _call(target, channel: Channel, axis_name, out_types, operands, same_on_every_rank=()):
+    """The custom call; results listed in same_on_every_rank stay typed as
+    invariant over the mesh axes (they are), the others vary."""
     custom_calls._require_handlers(target, "gpu")
-    return custom_calls._call_ffi(target, out_types, operands, channel.attrs(),
-                                  extra_axes=(axis_name,), has_side_effect=True)
+    axes = custom_calls._varying_axes(*operands) | {axis_name}
+    operands = [custom_calls._as_varying(o, axes) for o in operands]
+    results = jax.ffi.ffi_call(target, out_types, has_side_effect=True)(
+        *operands, **channel.attrs())
+    if not isinstance(results, (tuple, list)):
+        return custom_calls._as_varying(results, axes)
+    return tuple(r if i in same_on_every_rank else custom_calls._as_varying(r, axes)
+                 for i, r in enumerate(results))
 
 
 def dispatch_send(channel: Channel, x, expert_ids, *, axis_name: str):
@@ -141,7 +149,7 @@ def dispatch_send(channel: Channel, x, expert_ids, *, axis_name: str):
     p, e_local = channel.num_ranks, channel.experts_per_rank
     out_types = (jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
                  jax.ShapeDtypeStruct((p, e_local), jnp.int32))
-    return tuple(_call(DISPATCH_SEND, channel, axis_name, out_types, (x, expert_ids)))
+    return _call(DISPATCH_SEND, channel, axis_name, out_types, (x, expert_ids))
 
 
 def dispatch_recv(channel: Channel, slot_pos, *, axis_name: str):
@@ -150,7 +158,8 @@ def dispatch_recv(channel: Channel, slot_pos, *, axis_name: str):
     out_types = (jax.ShapeDtypeStruct((channel.rows, channel.hidden), channel.dtype),
                  jax.ShapeDtypeStruct((e_local,), jnp.int32),
                  jax.ShapeDtypeStruct((p, p, e_local), jnp.int32))
-    return tuple(_call(DISPATCH_RECV, channel, axis_name, out_types, (slot_pos,)))
+    return _call(DISPATCH_RECV, channel, axis_name, out_types, (slot_pos,),
+                 same_on_every_rank=(2,))
 
 
 def combine_send(channel: Channel, y, all_counts, *, axis_name: str):

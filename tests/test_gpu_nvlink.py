@@ -39,7 +39,8 @@ def _runner(ranks, experts_per_rank):
         channel, got = nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank,
                                        axis_name="ep", mesh_devices=tuple(mesh.devices.flat))
         out = nvlink.combine(channel, got.rows, got, ids, w, axis_name="ep")
-        return out, got.rows, got.group_sizes, got.all_counts[None], got.slot_pos
+        counts = jax.lax.pcast(got.all_counts[None], "ep", to="varying")
+        return out, got.rows, got.group_sizes, counts, got.slot_pos
 
     spec = P("ep")
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3,

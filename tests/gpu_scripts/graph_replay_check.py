@@ -27,7 +27,7 @@ import moe_testing as mt  # noqa: E402
 def main(ranks: int) -> None:
     num_experts, hidden = 2 * ranks, 256
     experts = mj.init_expert_weights(jax.random.key(0), num_experts, hidden, 128)
-    for transport in ("custom_call", "lax"):
+    for transport in ("custom_call", "lax", "nvlink"):
         mesh, fn = mt._strategy_runner("cap_and_spill", ranks, 2, 2, 1, "custom_call",
                                        transport, jnp.dtype(jnp.float32), "gpu")
         sharding = NamedSharding(mesh, P("ep"))

@@ -25,6 +25,8 @@ NB_MODULE(_ffi_cuda, m) {
         d["moe_jax_combine"] =
             nb::capsule(reinterpret_cast<void*>(MoeJaxCombineCuda));
         const std::pair<const char*, void*> nvlink[] = {
+            {"moe_jax_nvlink_dispatch", reinterpret_cast<void*>(MoeJaxNvlinkDispatch)},
+            {"moe_jax_nvlink_combine", reinterpret_cast<void*>(MoeJaxNvlinkCombine)},
             {"moe_jax_nvlink_dispatch_send", reinterpret_cast<void*>(MoeJaxNvlinkDispatchSend)},
             {"moe_jax_nvlink_dispatch_recv", reinterpret_cast<void*>(MoeJaxNvlinkDispatchRecv)},
             {"moe_jax_nvlink_combine_send", reinterpret_cast<void*>(MoeJaxNvlinkCombineSend)},

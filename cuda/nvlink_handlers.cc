@@ -1,5 +1,6 @@
-// FFI handlers of the NVLink transport: moe_jax_nvlink_{dispatch,combine}_
-// {send,recv}. Every call carries the channel's attributes
+// FFI handlers of the NVLink transport: moe_jax_nvlink_dispatch and
+// moe_jax_nvlink_combine (both halves in one call), and the halves alone,
+// moe_jax_nvlink_{dispatch,combine}_{send,recv}. Every call carries the channel's attributes
 //
 //   device_ordinals: i64[G * P] CUDA device of every group member, each
 //                    group in rank order; group_size: P
@@ -252,6 +253,44 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /
                                     out->untyped_data(), stream));
 }
 
+// Both halves in one call: nothing XLA schedules can come between them, so
+// consecutive calls of a channel always alternate send and receive.
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::AnyBuffer expert_ids, ffi::Result<ffi::AnyBuffer> slot_pos,
+                        ffi::Result<ffi::AnyBuffer> send_counts,
+                        ffi::Result<ffi::AnyBuffer> rows,
+                        ffi::Result<ffi::AnyBuffer> group_sizes,
+                        ffi::Result<ffi::AnyBuffer> all_counts,
+                        ffi::Span<const int64_t> device_ordinals, int64_t group_size,
+                        int64_t experts_per_rank, int64_t tokens, int64_t top_k,
+                        int64_t row_bytes) {
+  if (ffi::Error e = DispatchSendImpl(stream, device, x, expert_ids, slot_pos, send_counts,
+                                      device_ordinals, group_size, experts_per_rank, tokens,
+                                      top_k, row_bytes);
+      e.failure()) {
+    return e;
+  }
+  return DispatchRecvImpl(stream, device, x, rows, group_sizes, all_counts, device_ordinals,
+                          group_size, experts_per_rank, tokens, top_k, row_bytes);
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                       ffi::AnyBuffer all_counts, ffi::AnyBuffer expert_ids,
+                       ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Span<const int64_t> device_ordinals, int64_t group_size,
+                       int64_t experts_per_rank, int64_t tokens, int64_t top_k,
+                       int64_t row_bytes) {
+  if (ffi::Error e = CombineSendImpl(stream, device, y, all_counts, out, device_ordinals,
+                                     group_size, experts_per_rank, tokens, top_k, row_bytes);
+      e.failure()) {
+    return e;
+  }
+  return CombineRecvImpl(stream, device, y, expert_ids, slot_pos, weights, out,
+                         device_ordinals, group_size, experts_per_rank, tokens, top_k,
+                         row_bytes);
+}
+
 template <typename Binding>
 auto WithAttrs(Binding&& b) {
   return std::forward<Binding>(b).template Attr<ffi::Span<const int64_t>>("device_ordinals")
@@ -308,6 +347,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                       .Ctx<ffi::PlatformStream<cudaStream_t>>()
                       .Ctx<ffi::DeviceOrdinal>()
                       .Arg<ffi::AnyBuffer>()    // done
+                      .Arg<ffi::AnyBuffer>()    // expert_ids
+                      .Arg<ffi::AnyBuffer>()    // slot_pos
+                      .Arg<ffi::AnyBuffer>()    // weights
+                      .Ret<ffi::AnyBuffer>()),  // out
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeJaxNvlinkDispatch, nv::DispatchImpl,
+    nv::WithAttrs(ffi::Ffi::BindExecute()
+                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                      .Ctx<ffi::DeviceOrdinal>()
+                      .Arg<ffi::AnyBuffer>()    // x
+                      .Arg<ffi::AnyBuffer>()    // expert_ids
+                      .Ret<ffi::AnyBuffer>()    // slot_pos
+                      .Ret<ffi::AnyBuffer>()    // send_counts
+                      .Ret<ffi::AnyBuffer>()    // rows
+                      .Ret<ffi::AnyBuffer>()    // group_sizes
+                      .Ret<ffi::AnyBuffer>()),  // all_counts
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeJaxNvlinkCombine, nv::CombineImpl,
+    nv::WithAttrs(ffi::Ffi::BindExecute()
+                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                      .Ctx<ffi::DeviceOrdinal>()
+                      .Arg<ffi::AnyBuffer>()    // y
+                      .Arg<ffi::AnyBuffer>()    // all_counts
                       .Arg<ffi::AnyBuffer>()    // expert_ids
                       .Arg<ffi::AnyBuffer>()    // slot_pos
                       .Arg<ffi::AnyBuffer>()    // weights

@@ -1,5 +1,6 @@
 // XLA FFI handlers of the NVLink transport (nvlink_handlers.cc), registered
 // for platform "CUDA" with a shared prepare stage:
+//   moe_jax_nvlink_dispatch / _combine (both halves) and the halves alone,
 //   moe_jax_nvlink_dispatch_send / _dispatch_recv / _combine_send / _combine_recv
 #ifndef MOE_JAX_CUDA_NVLINK_HANDLERS_H_
 #define MOE_JAX_CUDA_NVLINK_HANDLERS_H_
@@ -7,6 +8,8 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchRecv);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxNvlinkCombineSend);

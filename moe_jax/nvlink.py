@@ -4,9 +4,16 @@ Senders store each (token, pick) row straight into the receiving GPU's
 persistent buffer over NVLink and raise a device-side flag; receivers wait
 on the flags on the device. Only the rows that exist cross the link, the
 counts never leave the device, shapes stay static and nothing synchronizes
-with the host, so every call is graph-capturable. The send and receive
-halves are separate calls: work placed between them (a shared expert, say)
-overlaps the transfer.
+with the host, so every call is graph-capturable.
+
+`dispatch` and `combine` run both halves in one custom call. The halves are
+also exposed alone (`dispatch_send` / `dispatch_recv`, `combine_send` /
+`combine_recv`) so that work placed between them (a shared expert, say)
+overlaps the transfer; then each receive must follow its send before the
+channel's next send-after-next: XLA may reorder calls that do not depend on
+each other (e.g. across unrolled loop iterations), so use the halves where
+the program fixes their order, and the fused calls elsewhere. A rank that
+waits more than 30 s for a peer traps with a message naming the wait.
 
 Receive buffers belong to a channel: one per (devices of the expert group,
 T, k, E_local, H * itemsize), allocated once on every GPU of the group
@@ -32,6 +39,8 @@ import numpy as np
 from moe_jax import custom_calls
 from moe_jax.plan import worst_case_rows_per_peer
 
+DISPATCH = "moe_jax_nvlink_dispatch"
+COMBINE = "moe_jax_nvlink_combine"
 DISPATCH_SEND = "moe_jax_nvlink_dispatch_send"
 DISPATCH_RECV = "moe_jax_nvlink_dispatch_recv"
 COMBINE_SEND = "moe_jax_nvlink_combine_send"
@@ -127,6 +136,17 @@ def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
                    int(x.shape[1]), jnp.dtype(x.dtype))
 
 
+def _check_y(channel: Channel, y) -> None:
+    _check(y.shape == (channel.rows, channel.hidden) and y.dtype == channel.dtype, "y",
+           f"must be {channel.dtype}[{channel.rows}, {channel.hidden}] (the dispatched "
+           f"layout and dtype), got {y.dtype}{list(y.shape)}")
+
+
+def _check_weights(expert_ids, weights) -> None:
+    _check(weights.shape == expert_ids.shape and weights.dtype == jnp.float32, "weights",
+           f"must be float32 {list(expert_ids.shape)}, got {weights.dtype}{list(weights.shape)}")
+
+
 def _call(target, channel: Channel, axis_name, out_types, operands, same_on_every_rank=()):
     """The custom call; results listed in same_on_every_rank stay typed as
     invariant over the mesh axes (they are), the others vary."""
@@ -167,9 +187,7 @@ def combine_send(channel: Channel, y, all_counts, *, axis_name: str):
 
     Returns a token to hand to combine_recv.
     """
-    _check(y.shape == (channel.rows, channel.hidden) and y.dtype == channel.dtype, "y",
-           f"must be {channel.dtype}[{channel.rows}, {channel.hidden}] (the dispatched "
-           f"layout and dtype), got {y.dtype}{list(y.shape)}")
+    _check_y(channel, y)
     out_type = jax.ShapeDtypeStruct((1,), jnp.int32)
     return _call(COMBINE_SEND, channel, axis_name, out_type, (y, all_counts))
 
@@ -180,8 +198,7 @@ def combine_recv(channel: Channel, done, expert_ids, slot_pos, weights, *, axis_
     Float32 accumulation in pick order (as moe_jax_combine), stored in the
     dispatched dtype. Returns [T, H].
     """
-    _check(weights.shape == expert_ids.shape and weights.dtype == jnp.float32, "weights",
-           f"must be float32 {list(expert_ids.shape)}, got {weights.dtype}{list(weights.shape)}")
+    _check_weights(expert_ids, weights)
     out_type = jax.ShapeDtypeStruct((channel.tokens, channel.hidden), channel.dtype)
     return _call(COMBINE_RECV, channel, axis_name, out_type,
                  (done, expert_ids, slot_pos, weights))
@@ -201,14 +218,22 @@ def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
     """
     channel = channel_for(x, expert_ids, experts_per_rank=experts_per_rank,
                           axis_name=axis_name, mesh_devices=mesh_devices)
-    slot_pos, _ = dispatch_send(channel, x, expert_ids, axis_name=axis_name)
-    rows, group_sizes, all_counts = dispatch_recv(channel, slot_pos, axis_name=axis_name)
+    p, e_local = channel.num_ranks, channel.experts_per_rank
+    out_types = (jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
+                 jax.ShapeDtypeStruct((p, e_local), jnp.int32),
+                 jax.ShapeDtypeStruct((channel.rows, channel.hidden), channel.dtype),
+                 jax.ShapeDtypeStruct((e_local,), jnp.int32),
+                 jax.ShapeDtypeStruct((p, p, e_local), jnp.int32))
+    slot_pos, _, rows, group_sizes, all_counts = _call(
+        DISPATCH, channel, axis_name, out_types, (x, expert_ids), same_on_every_rank=(4,))
     return channel, Dispatched(rows, group_sizes, all_counts, slot_pos)
 
 
 def combine(channel: Channel, y, dispatched: Dispatched, expert_ids, weights, *,
             axis_name: str):
     """Both halves of combine: [T, H] in the dispatched dtype. Graph-capturable."""
-    done = combine_send(channel, y, dispatched.all_counts, axis_name=axis_name)
-    return combine_recv(channel, done, expert_ids, dispatched.slot_pos, weights,
-                        axis_name=axis_name)
+    _check_y(channel, y)
+    _check_weights(expert_ids, weights)
+    out_type = jax.ShapeDtypeStruct((channel.tokens, channel.hidden), channel.dtype)
+    return _call(COMBINE, channel, axis_name, out_type,
+                 (y, dispatched.all_counts, expert_ids, dispatched.slot_pos, weights))

@@ -171,3 +171,50 @@ def test_layer_strategies_match_lax_transport():
         err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
         assert err < 1e-5, f"{key}: relative error {err}"
 
+
+
+def test_fused_calls_inside_a_loop():
+    """Many calls of one channel in a fori_loop (XLA may unroll and reorder
+    independent calls; the fused calls keep send and receive together)."""
+    _needs(4)
+    mesh = mesh_of(4, "gpu")
+    x, ids, w = _case(11, 4, 64, 8, 2, 512, "random", jnp.bfloat16)
+
+    def body(x, ids, w):
+        def step(i, acc):
+            channel, got = nvlink.dispatch(x, ids, experts_per_rank=2, axis_name="ep",
+                                           mesh_devices=tuple(mesh.devices.flat))
+            return acc + nvlink.combine(channel, got.rows, got, ids, w,
+                                        axis_name="ep").astype(jnp.float32)
+        return jax.lax.fori_loop(0, 16, step, jnp.zeros(x.shape, jnp.float32))
+
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    sharding = NamedSharding(mesh, spec)
+    out = np.asarray(fn(*(jax.device_put(a, sharding) for a in (x, ids, w))))
+    _, once = _expected(x, ids, w, 4, 64, 2)
+    np.testing.assert_allclose(out, 16 * once.astype(np.float32), rtol=1e-5)
+
+
+def test_split_halves_with_work_between():
+    _needs(2)
+    mesh = mesh_of(2, "gpu")
+    x, ids, w = _case(12, 2, 32, 4, 2, 256, "zipf", jnp.bfloat16)
+    devices = tuple(mesh.devices.flat)
+
+    def body(x, ids, w):
+        ch = nvlink.channel_for(x, ids, experts_per_rank=2, axis_name="ep", mesh_devices=devices)
+        slot_pos, _ = nvlink.dispatch_send(ch, x, ids, axis_name="ep")
+        shared = jnp.tanh(x.astype(jnp.float32)) * 2.0          # overlaps the transfer
+        rows, sizes, counts = nvlink.dispatch_recv(ch, slot_pos, axis_name="ep")
+        done = nvlink.combine_send(ch, rows, counts, axis_name="ep")
+        out = nvlink.combine_recv(ch, done, ids, slot_pos, w, axis_name="ep")
+        return out, shared
+
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec)))
+    sharding = NamedSharding(mesh, spec)
+    for _ in range(3):
+        out, _ = fn(*(jax.device_put(a, sharding) for a in (x, ids, w)))
+        _, want = _expected(x, ids, w, 2, 32, 2)
+        np.testing.assert_array_equal(bits(np.asarray(out)), bits(want))

@@ -12,6 +12,7 @@
 // (command-buffer compatible).
 #include "nvlink_handlers.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -64,6 +65,13 @@ ffi::Error ShapeOf(const Attrs& a, ChannelShape* shape) {
   if (a.row_bytes < 16 || a.row_bytes % 16 != 0) {
     return Invalid("attribute `row_bytes` (H * itemsize) must be a positive multiple of 16, "
                    "got " + std::to_string(a.row_bytes));
+  }
+  const int64_t vectors_per_row = a.row_bytes / 16;
+  const int64_t per_source = a.tokens * std::min(a.top_k, a.experts_per_rank);
+  if (a.tokens * a.top_k * vectors_per_row >= (int64_t{1} << 31) ||
+      a.group_size * per_source * vectors_per_row >= (int64_t{1} << 31)) {
+    return Invalid("tokens * top_k * H * itemsize / 16 and P * tokens * min(top_k, "
+                   "experts_per_rank) * H * itemsize / 16 must stay below 2^31");
   }
   shape->num_ranks = static_cast<int32_t>(a.group_size);
   shape->experts_per_rank = static_cast<int32_t>(a.experts_per_rank);

@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kPlanThreads = 1024;
-constexpr int kMaxCopyBlocks = 264;
+constexpr int kMaxCopyBlocks = 528;
 constexpr unsigned long long kTimeoutNs = 30ull * 1000 * 1000 * 1000;
 
 using u64 = unsigned long long;
@@ -166,6 +166,36 @@ __device__ __forceinline__ void Locate(const RecvTables& tb, int num_ranks, int 
   pos = tb.stream_start[s][e] + (j - tb.src_offset[s][e]);
 }
 
+// Grid-stride copy of `total` 16-byte vectors; where(i, &src, &dst) names
+// vector i's source and destination (dst nullptr: skip). Each thread loads
+// kUnroll vectors before storing any, keeping several transfers in flight.
+// Loads are L2-coherent (sources may be buffers peers wrote).
+constexpr int kUnroll = 4;
+
+template <typename Where>
+__device__ __forceinline__ void CopyVectors(int32_t total, Where where) {
+  const int32_t stride = static_cast<int32_t>(gridDim.x * blockDim.x);
+  for (int32_t base = static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x); base < total;
+       base += stride * kUnroll) {
+    uint4 val[kUnroll];
+    uint4* dst[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t i = base + u * stride;
+      dst[u] = nullptr;
+      if (i < total) {
+        const uint4* src = nullptr;
+        where(i, &src, &dst[u]);
+        if (dst[u] != nullptr) val[u] = __ldcg(src);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (dst[u] != nullptr) *dst[u] = val[u];
+    }
+  }
+}
+
 //===----------------------------------------------------------------------===//
 // dispatch send
 //===----------------------------------------------------------------------===//
@@ -242,18 +272,17 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ x, const int32_t* __restr
       for (int64_t i = threadIdx.x; i < ints; i += blockDim.x) h[i] = send_counts[i];
     }
   }
-  const int64_t vecs = s.row_bytes / 16;
-  const int64_t total = s.Slots() * vecs;
+  const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   const int64_t offset = s.DispatchOffset();
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t n = i / vecs, v = i % vecs;
-    const int32_t pos = slot_pos[n];
-    if (pos < 0) continue;
-    const int d = expert_ids[n] / s.experts_per_rank;
-    const uint4 val = __ldg(reinterpret_cast<const uint4*>(x + (n / s.top_k) * s.row_bytes) + v);
-    reinterpret_cast<uint4*>(StagedRow(ch, d, offset, parity, ch.rank, pos))[v] = val;
-  }
+  CopyVectors(static_cast<int32_t>(s.Slots() * vecs),
+              [&](int32_t i, const uint4** src, uint4** dst) {
+                const int32_t n = i / vecs, v = i % vecs;
+                const int32_t pos = slot_pos[n];
+                if (pos < 0) return;
+                const int d = expert_ids[n] / s.experts_per_rank;
+                *src = reinterpret_cast<const uint4*>(x + int64_t{n / s.top_k} * s.row_bytes) + v;
+                *dst = reinterpret_cast<uint4*>(StagedRow(ch, d, offset, parity, ch.rank, pos)) + v;
+              });
   __syncthreads();
   if (threadIdx.x == 0) SignalPeers(ch, Counters::DispatchArrive(p, 0));
   FinishCall(ch, kDispatchSend);
@@ -294,20 +323,18 @@ RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, int32_t* __restrict__ gro
       group_sizes[e] = tb.expert_offset[e + 1] - tb.expert_offset[e];
     }
   }
-  const int64_t vecs = s.row_bytes / 16;
-  const int64_t total = tb.expert_offset[num_local] * vecs;
+  const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   const int64_t offset = s.DispatchOffset();
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int32_t r = static_cast<int32_t>(i / vecs);
-    const int64_t v = i % vecs;
-    int src;
-    int32_t pos;
-    Locate(tb, p, num_local, r, src, pos);
-    const uint4 val = __ldcg(reinterpret_cast<const uint4*>(
-        StagedRow(ch, ch.rank, offset, parity, src, pos)) + v);
-    reinterpret_cast<uint4*>(rows + int64_t{r} * s.row_bytes)[v] = val;
-  }
+  CopyVectors(tb.expert_offset[num_local] * vecs,
+              [&](int32_t i, const uint4** src, uint4** dst) {
+                const int32_t r = i / vecs, v = i % vecs;
+                int from;
+                int32_t pos;
+                Locate(tb, p, num_local, r, from, pos);
+                *src = reinterpret_cast<const uint4*>(
+                    StagedRow(ch, ch.rank, offset, parity, from, pos)) + v;
+                *dst = reinterpret_cast<uint4*>(rows + int64_t{r} * s.row_bytes) + v;
+              });
   __syncthreads();
   if (threadIdx.x == 0) SignalPeers(ch, Counters::DispatchAck(p, 0));
   FinishCall(ch, kDispatchRecv);
@@ -337,19 +364,17 @@ CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
     }
   }
   __syncthreads();
-  const int64_t vecs = s.row_bytes / 16;
-  const int64_t total = tb.expert_offset[num_local] * vecs;
+  const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   const int64_t offset = s.CombineOffset();
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int32_t r = static_cast<int32_t>(i / vecs);
-    const int64_t v = i % vecs;
-    int src;
-    int32_t pos;
-    Locate(tb, p, num_local, r, src, pos);
-    const uint4 val = __ldg(reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes) + v);
-    reinterpret_cast<uint4*>(StagedRow(ch, src, offset, parity, ch.rank, pos))[v] = val;
-  }
+  CopyVectors(tb.expert_offset[num_local] * vecs,
+              [&](int32_t i, const uint4** src, uint4** dst) {
+                const int32_t r = i / vecs, v = i % vecs;
+                int to;
+                int32_t pos;
+                Locate(tb, p, num_local, r, to, pos);
+                *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes) + v;
+                *dst = reinterpret_cast<uint4*>(StagedRow(ch, to, offset, parity, ch.rank, pos)) + v;
+              });
   __syncthreads();
   if (threadIdx.x == 0) SignalPeers(ch, Counters::CombineArrive(p, 0));
   FinishCall(ch, kCombineSend);
@@ -382,6 +407,7 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
     float acc[kPer];
 #pragma unroll
     for (int q = 0; q < kPer; ++q) acc[q] = 0.0f;
+#pragma unroll 4
     for (int j = 0; j < s.top_k; ++j) {
       const int64_t n = t * s.top_k + j;
       const int32_t pos = slot_pos[n];

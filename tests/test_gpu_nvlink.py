@@ -186,7 +186,7 @@ def test_fused_calls_inside_a_loop():
                                            mesh_devices=tuple(mesh.devices.flat))
             return acc + nvlink.combine(channel, got.rows, got, ids, w,
                                         axis_name="ep").astype(jnp.float32)
-        return jax.lax.fori_loop(0, 16, step, jnp.zeros(x.shape, jnp.float32))
+        return jax.lax.fori_loop(0, 16, step, jnp.zeros_like(x, jnp.float32))
 
     spec = P("ep")
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))

@@ -15,7 +15,8 @@ import json
 import re
 
 METHODS = [("max_counts", None), ("cap_and_spill:lax", 0.99), ("cap_and_spill:nccl", 0.99),
-           ("ragged", None), ("gshard", None)]
+           ("ragged", None), ("gshard", None), ("cap_and_spill:nvlink", 0.99),
+           ("ragged:nvlink", None)]
 START, END = "<!-- benchmark-summary:start -->", "<!-- benchmark-summary:end -->"
 
 
@@ -54,20 +55,22 @@ def summarize(paths) -> str:
                 "(cap_and_spill at q=0.99):", "",
                 "| T/GPU | " + " | ".join(m for m, _ in METHODS)
                 + " | max_counts / cap_and_spill:lax | ragged / cap_and_spill:lax"
+                + " | max_counts / cap_and_spill:nvlink | ragged / cap_and_spill:nvlink"
                 + " | fallback guard (lax minus noguard)"
                 + (" | byte floor |" if phase == "dc" else " |"),
-                "|" + " --- |" * (len(METHODS) + 4 + (phase == "dc"))]
+                "|" + " --- |" * (len(METHODS) + 6 + (phase == "dc"))]
         for t in tokens:
             cells = [rows.get((timing, phase, t, m, q)) for m, q in METHODS]
             if not any(cells):
                 continue
-            base, cas, rag = cells[0], cells[1], cells[3]
-            r1 = f"{base['mean_us'] / cas['mean_us']:.2f}x" if base and cas else "—"
-            r2 = f"{rag['mean_us'] / cas['mean_us']:.2f}x" if rag and cas else "—"
+            base, cas, rag, nv = cells[0], cells[1], cells[3], cells[5]
+            ratio = lambda a, b: f"{a['mean_us'] / b['mean_us']:.2f}x" if a and b else "—"
+            r1, r2 = ratio(base, cas), ratio(rag, cas)
+            r3, r4 = ratio(base, nv), ratio(rag, nv)
             noguard = rows.get((timing, phase, t, "cap_and_spill:noguard", 0.99))
             guard = (f"{cas['mean_us'] - noguard['mean_us']:+.0f}" if cas and noguard else "—")
             line = (f"| {t} | " + " | ".join(_cell(c) for c in cells)
-                    + f" | {r1} | {r2} | {guard} |")
+                    + f" | {r1} | {r2} | {r3} | {r4} | {guard} |")
             if phase == "dc":
                 floor = next((c["byte_floor_dc_us"] for c in cells if c), None)
                 line += f" {floor:.0f} |" if floor else " — |"

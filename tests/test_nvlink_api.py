@@ -1,5 +1,5 @@
 """The NVLink transport's trace-time checks (CPU): clear errors that name
-the argument; its kernels are covered by tests/test_gpu_nvlink.py."""
+the argument; its kernels are covered by tests/test_gpu_multi_nvlink.py."""
 
 import jax
 import jax.numpy as jnp

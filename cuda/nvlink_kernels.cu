@@ -57,6 +57,18 @@ __device__ void WaitAtLeast(const u64* p, u64 target, const char* what, int rank
   }
 }
 
+// Thread 0 waits until this rank's counters slot0 + peer reach `target` for
+// every peer; the barrier then orders the whole block after the waits.
+__device__ void WaitForPeers(const ChannelView& ch, int64_t slot0, u64 target,
+                             const char* what) {
+  if (threadIdx.x == 0) {
+    for (int peer = 0; peer < ch.shape.num_ranks; ++peer) {
+      WaitAtLeast(CountersOf(ch, ch.rank) + slot0 + peer, target, what, ch.rank, peer);
+    }
+  }
+  __syncthreads();
+}
+
 // Adds 1 to counter slot0 + (this rank) on every rank, after this block's
 // stores (ordered by the barrier before it) are visible system-wide.
 __device__ __forceinline__ void SignalPeers(const ChannelView& ch, int64_t slot0) {
@@ -258,13 +270,8 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ x, const int32_t* __restr
   const int p = s.num_ranks;
   const u64 epoch = BlockEpoch(ch, kDispatchSend);
   const int parity = static_cast<int>(epoch & 1);
-  if (threadIdx.x == 0 && epoch >= 2) {
-    for (int d = 0; d < p; ++d) {
-      WaitAtLeast(CountersOf(ch, ch.rank) + Counters::DispatchAck(p, d),
-                  u64(recv_blocks) * (epoch - 1), "the dispatch ack", ch.rank, d);
-    }
-  }
-  __syncthreads();
+  if (epoch >= 2) WaitForPeers(ch, Counters::DispatchAck(p, 0),
+                               u64(recv_blocks) * (epoch - 1), "the dispatch ack");
   if (blockIdx.x == 0) {
     const int64_t ints = s.HeaderInts();
     for (int d = 0; d < p; ++d) {
@@ -300,13 +307,8 @@ RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, int32_t* __restrict__ gro
   const int p = s.num_ranks, num_local = s.experts_per_rank;
   const u64 epoch = BlockEpoch(ch, kDispatchRecv);
   const int parity = static_cast<int>(epoch & 1);
-  if (threadIdx.x == 0) {
-    for (int src = 0; src < p; ++src) {
-      WaitAtLeast(CountersOf(ch, ch.rank) + Counters::DispatchArrive(p, src),
-                  u64(send_blocks) * (epoch + 1), "the dispatched rows", ch.rank, src);
-    }
-  }
-  __syncthreads();
+  WaitForPeers(ch, Counters::DispatchArrive(p, 0),
+               u64(send_blocks) * (epoch + 1), "the dispatched rows");
   for (int i = threadIdx.x; i < p * num_local; i += blockDim.x) {
     const int src = i / num_local, e = i % num_local;
     tb.count[src][e] = __ldcg(Header(ch, ch.rank, parity, src) + ch.rank * num_local + e);
@@ -357,13 +359,8 @@ CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
     tb.count[src][e] = all_counts[src * s.HeaderInts() + ch.rank * num_local + e];
   }
   BuildTables(tb, p, num_local);
-  if (threadIdx.x == 0 && epoch >= 2) {
-    for (int d = 0; d < p; ++d) {
-      WaitAtLeast(CountersOf(ch, ch.rank) + Counters::CombineAck(p, d),
-                  u64(recv_blocks) * (epoch - 1), "the combine ack", ch.rank, d);
-    }
-  }
-  __syncthreads();
+  if (epoch >= 2) WaitForPeers(ch, Counters::CombineAck(p, 0),
+                               u64(recv_blocks) * (epoch - 1), "the combine ack");
   const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   const int64_t offset = s.CombineOffset();
   CopyVectors(tb.expert_offset[num_local] * vecs,
@@ -391,13 +388,8 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
   const int p = s.num_ranks;
   const u64 epoch = BlockEpoch(ch, kCombineRecv);
   const int parity = static_cast<int>(epoch & 1);
-  if (threadIdx.x == 0) {
-    for (int d = 0; d < p; ++d) {
-      WaitAtLeast(CountersOf(ch, ch.rank) + Counters::CombineArrive(p, d),
-                  u64(send_blocks) * (epoch + 1), "the returned rows", ch.rank, d);
-    }
-  }
-  __syncthreads();
+  WaitForPeers(ch, Counters::CombineArrive(p, 0),
+               u64(send_blocks) * (epoch + 1), "the returned rows");
   const int64_t vecs = s.row_bytes / 16;
   const int64_t total = s.tokens * vecs;
   const int64_t offset = s.CombineOffset();

@@ -58,6 +58,17 @@ def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32):
     return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype)
 
 
+def needs_gpus(count: int) -> None:
+    """Skips the calling test unless this host has `count` GPUs."""
+    import pytest  # noqa: PLC0415 (only tests call this)
+    try:
+        found = len(jax.devices("gpu"))
+    except RuntimeError:
+        found = 0
+    if found < count:
+        pytest.skip(f"needs {count} GPUs, found {found}")
+
+
 def mesh_of(ranks: int, backend: str = "cpu") -> jax.sharding.Mesh:
     """A 1-D mesh "ep" over the first `ranks` devices of `backend`."""
     return jax.make_mesh((ranks,), ("ep",), devices=jax.devices(backend)[:ranks],

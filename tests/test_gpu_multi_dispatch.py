@@ -11,24 +11,12 @@ import numpy as np
 import pytest
 
 import moe_jax as mj
-from moe_testing import (ROUTINGS, bits, expected_rank_rows, random_case, rel_error, run_dense,
-                         run_strategy)
+from moe_testing import (ROUTINGS, bits, expected_rank_rows, needs_gpus, random_case, rel_error,
+                         run_dense, run_strategy)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 HIDDEN, FFN = 256, 128
 SCRIPTS = os.path.join(os.path.dirname(__file__), "gpu_scripts")
-
-
-def _gpus():
-    try:
-        return len(jax.devices("gpu"))
-    except RuntimeError:
-        return 0
-
-
-def _needs(ranks):
-    if _gpus() < ranks:
-        pytest.skip(f"needs {ranks} GPUs, found {_gpus()}")
 
 
 CASES = [("max_counts", None, None), ("cap_and_spill", 1, 1), ("cap_and_spill", 3, 2),
@@ -40,7 +28,7 @@ CASES = [("max_counts", None, None), ("cap_and_spill", 1, 1), ("cap_and_spill", 
 @pytest.mark.parametrize("transport", ["lax", "custom_call", "nvlink"])
 @pytest.mark.parametrize("kind", ROUTINGS)
 def test_rows_match_dense_on_gpus(ranks, strategy, capacity, spill, transport, kind):
-    _needs(ranks)
+    needs_gpus(ranks)
     if transport == "nvlink" and strategy == "max_counts":
         pytest.skip("max_counts pads by definition; the NVLink transport moves real rows")
     num_experts = 2 * ranks
@@ -70,7 +58,7 @@ def _run_script(name, *args, env=None, timeout=300):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_cuda_graph_replays_stay_exact(ranks):
-    _needs(ranks)
+    needs_gpus(ranks)
     flags = ("--xla_gpu_graph_min_graph_size=1 "
              "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES")
     out = _run_script("graph_replay_check.py", str(ranks), env={"XLA_FLAGS": flags})
@@ -78,6 +66,6 @@ def test_cuda_graph_replays_stay_exact(ranks):
 
 
 def test_two_processes_under_jax_distributed():
-    _needs(2)
+    needs_gpus(2)
     out = _run_script("multiprocess_check.py", "2")
     assert out.count("PASS") == 2, out

@@ -13,21 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_jax as mj
 from moe_jax import nvlink
-from moe_testing import ROUTINGS, bits, make_routing, mesh_of
+from moe_testing import ROUTINGS, bits, make_routing, mesh_of, needs_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
-
-
-def _gpus():
-    try:
-        return len(jax.devices("gpu"))
-    except RuntimeError:
-        return 0
-
-
-def _needs(ranks):
-    if _gpus() < ranks:
-        pytest.skip(f"needs {ranks} GPUs, found {_gpus()}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,32 +98,32 @@ def _check(ranks, tokens, num_experts, top_k, hidden, kind, dtype, seed):
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("kind", ROUTINGS)
 def test_rows_and_combine_exact(ranks, kind):
-    _needs(ranks)
+    needs_gpus(ranks)
     _check(ranks, 24, 4 * ranks, 3, 256, kind, jnp.bfloat16, seed=ranks * 10 + ROUTINGS.index(kind))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_other_dtypes(dtype):
-    _needs(2)
+    needs_gpus(2)
     _check(2, 16, 4, 2, 64, "random", dtype, seed=7)
 
 
 def test_production_shape_top8_of_256():
     """hidden 7168, 128 tokens per GPU, top-8 of 256 experts."""
-    _needs(4)
+    needs_gpus(4)
     _check(4, 128, 256, 8, 7168, "zipf", jnp.bfloat16, seed=1)
 
 
 def test_changing_routing_reuses_buffers_exactly():
     """Consecutive calls alternate buffers; stale rows must never leak."""
-    _needs(4)
+    needs_gpus(4)
     for i, kind in enumerate(["random", "one_expert", "empty_rank", "one_rank", "zipf",
                               "random", "one_expert"]):
         _check(4, 32, 16, 2, 512, kind, jnp.bfloat16, seed=100 + i)
 
 
 def test_same_inputs_twenty_times_same_hash():
-    _needs(4)
+    needs_gpus(4)
     x, ids, w = _case(5, 4, 64, 32, 4, 1024, "zipf", jnp.bfloat16)
     hashes = set()
     for _ in range(20):
@@ -151,7 +139,7 @@ def test_same_inputs_twenty_times_same_hash():
 
 def test_layer_strategies_match_lax_transport():
     """The MoE layer with transport='nvlink' equals the lax transport."""
-    _needs(4)
+    needs_gpus(4)
     mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices("gpu")[:4],
                          axis_types=(jax.sharding.AxisType.Auto,))
     outs = {}
@@ -176,7 +164,7 @@ def test_layer_strategies_match_lax_transport():
 def test_fused_calls_inside_a_loop():
     """Many calls of one channel in a fori_loop (XLA may unroll and reorder
     independent calls; the fused calls keep send and receive together)."""
-    _needs(4)
+    needs_gpus(4)
     mesh = mesh_of(4, "gpu")
     x, ids, w = _case(11, 4, 64, 8, 2, 512, "random", jnp.bfloat16)
 
@@ -197,7 +185,7 @@ def test_fused_calls_inside_a_loop():
 
 
 def test_split_halves_with_work_between():
-    _needs(2)
+    needs_gpus(2)
     mesh = mesh_of(2, "gpu")
     x, ids, w = _case(12, 2, 32, 4, 2, 256, "zipf", jnp.bfloat16)
     devices = tuple(mesh.devices.flat)

@@ -95,10 +95,10 @@ class Progress:
 
 
 def build_config(**changes) -> DecoderConfig:
-    return DecoderConfig(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, num_heads=FLAGS.heads,
-                         num_layers=FLAGS.layers, num_experts=FLAGS.experts, top_k=FLAGS.top_k,
-                         ffn_size=FLAGS.ffn, max_len=FLAGS.prompt_len + FLAGS.tokens,
-                         **changes)
+    return DecoderConfig.create(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, num_heads=FLAGS.heads,
+                                num_layers=FLAGS.layers, num_experts=FLAGS.experts,
+                                top_k=FLAGS.top_k, ffn_size=FLAGS.ffn,
+                                max_len=FLAGS.prompt_len + FLAGS.tokens, **changes)
 
 
 def run(cfg, mesh, params, prompts, record=False, label="generate"):
@@ -145,7 +145,7 @@ def main(argv):
             params = checkpoint.restore_params(FLAGS.checkpoint_dir, base, mesh)
             print(f"restored parameters from {os.path.abspath(FLAGS.checkpoint_dir)} onto "
                   f"{FLAGS.ep} ranks (saved config: d_model={saved.d_model}, "
-                  f"layers={saved.num_layers}, experts={saved.num_experts})")
+                  f"layers={saved.num_layers}, experts={saved.moe.num_experts})")
     if params is None:
         params = init_params(jax.random.key(FLAGS.seed), base)
         if FLAGS.checkpoint_dir:
@@ -155,8 +155,8 @@ def main(argv):
         else:
             print(f"random parameters (seed {FLAGS.seed})")
     print(f"model: vocab={base.vocab_size} d_model={base.d_model} heads={base.num_heads} "
-          f"layers={base.num_layers} experts={base.num_experts} top_k={base.top_k} "
-          f"ffn={base.ffn_size} max_len={base.max_len}")
+          f"layers={base.num_layers} experts={base.moe.num_experts} top_k={base.moe.top_k} "
+          f"ffn={base.moe.ffn_size} max_len={base.max_len}")
 
     rng = np.random.default_rng(FLAGS.seed)
     lengths = rng.integers(1, FLAGS.prompt_len + 1, size=FLAGS.batch)
@@ -187,8 +187,9 @@ def main(argv):
                   f"{calib.frac_steps_fallback:.1%} need the fallback)")
         changes = dict(capacity=capacity, spill_capacity=spill)
     cfg = base.replace(strategy=FLAGS.strategy, **changes)
-    print(f"strategy: {cfg.strategy}" + (f" (C={cfg.capacity}, S={cfg.spill_capacity})"
-                                         if cfg.strategy == "cap_and_spill" else ""))
+    print(f"strategy: {cfg.moe.strategy}" + (
+        f" (C={cfg.moe.capacity}, S={cfg.moe.spill_capacity})"
+        if cfg.moe.strategy == "cap_and_spill" else ""))
 
     result, first = run(cfg, mesh, params, prompts, record=bool(FLAGS.record_traces))
     again, second = run(cfg, mesh, params, prompts, record=bool(FLAGS.record_traces),

@@ -9,7 +9,8 @@ the global array). Everything else is replicated.
 Layout of a checkpoint directory::
 
     <dir>/params/          orbax StandardCheckpointer tree (canonical params)
-    <dir>/decoder_config.json   the DecoderConfig fields (shapes checked on restore)
+    <dir>/decoder_config.json   the DecoderConfig fields, MoEConfig under "moe"
+                                (shapes checked on restore)
 
     save_params(dir, params, cfg, mesh=mesh4)
     params = restore_params(dir, cfg, mesh=mesh8)        # resharded onto 8 ranks
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
+from moe_jax.config import MoEConfig
 from moe_jax.models.decoder import DecoderConfig, init_params
 from moe_jax.models.sharding import param_shardings, shard_params
 
@@ -37,17 +39,49 @@ __all__ = ["abstract_params", "load_config", "restore_params", "save_params"]
 _PARAMS = "params"
 _CONFIG = "decoder_config.json"
 # Fields that fix parameter shapes and dtypes: a checkpoint restores only onto
-# a config that agrees on them (strategy, capacities etc. may differ).
-_SHAPE_FIELDS = ("vocab_size", "d_model", "num_heads", "num_layers", "num_experts",
-                 "ffn_size", "tie_embeddings", "router", "param_dtype")
+# a config that agrees on them (strategy, capacities etc. may differ). Names
+# under "moe." are MoEConfig fields.
+_SHAPE_FIELDS = ("vocab_size", "d_model", "num_heads", "num_layers", "tie_embeddings",
+                 "moe.num_experts", "moe.ffn_size", "moe.router", "moe.param_dtype")
+_DTYPE_FIELDS = ("dtype", "param_dtype")
+
+
+def _field(cfg: DecoderConfig, name: str) -> Any:
+    value = cfg
+    for part in name.split("."):
+        value = getattr(value, part)
+    return jnp.dtype(value) if part in _DTYPE_FIELDS else value
+
+
+def _moe_json(moe: MoEConfig) -> dict:
+    return {f.name: (jnp.dtype(getattr(moe, f.name)).name if f.name in _DTYPE_FIELDS
+                     else getattr(moe, f.name)) for f in dataclasses.fields(moe)}
 
 
 def _config_json(cfg: DecoderConfig) -> dict:
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = jnp.dtype(v).name if f.name in ("dtype", "param_dtype") else v
+    """The DecoderConfig as JSON: its own fields, and "moe" (the MoEConfig fields)."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "moe"}
+    out["moe"] = _moe_json(cfg.moe)
     return out
+
+
+def _config_from_json(fields: dict) -> DecoderConfig:
+    """Inverse of _config_json; also reads the flat layout (every MoE field at
+    the top level, ``d_model`` for ``hidden_size``). Unknown names are dropped."""
+    fields = dict(fields)
+    moe = fields.pop("moe", None)
+    if moe is None:  # flat layout
+        moe, known = {}, {f.name for f in dataclasses.fields(MoEConfig)} | {"d_model"}
+        for name in list(fields):
+            if name in known:
+                moe["hidden_size" if name == "d_model" else name] = fields.pop(name)
+    moe = {k: v for k, v in moe.items() if k in {f.name for f in dataclasses.fields(MoEConfig)}}
+    for name in _DTYPE_FIELDS:
+        if name in moe:
+            moe[name] = jnp.dtype(moe[name])
+    own = {k: v for k, v in fields.items()
+           if k in {f.name for f in dataclasses.fields(DecoderConfig)}}
+    return DecoderConfig(**own, moe=MoEConfig(**moe))
 
 
 def load_config(directory: str | os.PathLike) -> DecoderConfig | None:
@@ -56,12 +90,7 @@ def load_config(directory: str | os.PathLike) -> DecoderConfig | None:
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
-        fields = json.load(f)
-    for name in ("dtype", "param_dtype"):
-        if name in fields:
-            fields[name] = jnp.dtype(fields[name])
-    known = {f.name for f in dataclasses.fields(DecoderConfig)}
-    return DecoderConfig(**{k: v for k, v in fields.items() if k in known})
+        return _config_from_json(json.load(f))
 
 
 def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | None = None,
@@ -73,13 +102,13 @@ def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | 
         ``nnx_params(model)``), placed anywhere.
       cfg: the DecoderConfig, saved as JSON next to the params.
       mesh: if given, params are first laid out on it (expert weights split
-        over ``cfg.expert_axis``), so each device writes its own slice.
+        over ``cfg.moe.expert_axis``), so each device writes its own slice.
       force: overwrite an existing checkpoint.
     """
     directory = os.path.abspath(os.fspath(directory))
     params = nn.meta.unbox(params)
     if mesh is not None:
-        params = shard_params(params, mesh, cfg.expert_axis if cfg is not None else "ep")
+        params = shard_params(params, mesh, cfg.moe.expert_axis if cfg is not None else "ep")
     os.makedirs(directory, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(directory, _PARAMS), params, force=force)
@@ -92,16 +121,16 @@ def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | 
 
 def abstract_params(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None = None) -> Any:
     """ShapeDtypeStructs of the canonical params, with the shardings they get
-    on `mesh` (expert weights split over cfg.expert_axis; one device without
+    on `mesh` (expert weights split over cfg.moe.expert_axis; one device without
     a mesh)."""
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, shapes)
     else:
-        if cfg.expert_axis in mesh.axis_names:
-            cfg.moe_config().experts_per_rank(mesh.shape[cfg.expert_axis])
-        shardings = param_shardings(shapes, mesh, cfg.expert_axis)
+        if cfg.moe.expert_axis in mesh.axis_names:
+            cfg.moe.experts_per_rank(mesh.shape[cfg.moe.expert_axis])
+        shardings = param_shardings(shapes, mesh, cfg.moe.expert_axis)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
@@ -113,7 +142,7 @@ def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = Non
     Args:
       cfg: the config to restore for (default: the one saved with the
         checkpoint); must agree with the saved one on the parameter shapes.
-      mesh: target mesh; expert weights are split over cfg.expert_axis
+      mesh: target mesh; expert weights are split over cfg.moe.expert_axis
         (E must divide by its size).
     Raises:
       ValueError: no checkpoint, or `cfg` disagrees with the saved config.
@@ -128,9 +157,7 @@ def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = Non
         cfg = saved
     elif saved is not None:
         for name in _SHAPE_FIELDS:
-            a, b = getattr(saved, name), getattr(cfg, name)
-            if name == "param_dtype":
-                a, b = jnp.dtype(a), jnp.dtype(b)
+            a, b = _field(saved, name), _field(cfg, name)
             if a != b:
                 raise ValueError(f"cfg: {name}={b!r} differs from the checkpoint's {a!r}")
     with ocp.StandardCheckpointer() as ckptr:

@@ -2,6 +2,7 @@
 with resharded expert weights, generating the same tokens."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,8 +13,8 @@ from moe_jax.models import DecoderConfig, MixtralLinen, MixtralNnx, init_params,
 from moe_jax.models.generate import generate, pad_prompts
 from moe_testing import mesh_of
 
-CFG = DecoderConfig(vocab_size=64, d_model=32, num_heads=4, num_layers=2, num_experts=8,
-                    top_k=2, ffn_size=64, max_len=16, strategy="ragged")
+CFG = DecoderConfig.create(vocab_size=64, d_model=32, num_heads=4, num_layers=2,
+                           num_experts=8, top_k=2, ffn_size=64, max_len=16, strategy="ragged")
 NEW_TOKENS = 6
 
 
@@ -44,7 +45,7 @@ def test_restore_onto_another_ep_size(saved, prompts, ep):
     w = restored["layers_0"]["moe"]["w_gate"]
     assert w.sharding.mesh.shape["ep"] == ep and w.sharding.spec == P("ep")
     assert len(w.addressable_shards) == ep
-    assert w.addressable_shards[0].data.shape[0] == CFG.num_experts // ep
+    assert w.addressable_shards[0].data.shape[0] == CFG.moe.num_experts // ep
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored, params)
     tokens = generate(MixtralLinen(CFG, mesh), restored, *prompts,
@@ -64,9 +65,26 @@ def test_restore_into_nnx_with_saved_config(saved, prompts):
     np.testing.assert_array_equal(result.tokens, expected)
 
 
+def test_config_json_round_trip_and_flat_layout(tmp_path):
+    import json
+    from moe_jax.checkpoint import _config_json
+    cfg = CFG.replace(strategy="cap_and_spill", capacity=3, spill_capacity=2,
+                      dtype=jnp.bfloat16, tie_embeddings=True)
+    (tmp_path / "decoder_config.json").write_text(json.dumps(_config_json(cfg)))
+    assert load_config(tmp_path) == cfg
+    flat = {k: v for k, v in _config_json(cfg).items() if k != "moe"}
+    flat.update({("d_model" if k == "hidden_size" else k): v
+                 for k, v in _config_json(cfg)["moe"].items()})
+    (tmp_path / "decoder_config.json").write_text(json.dumps(flat))
+    assert load_config(tmp_path) == cfg
+    assert load_config(tmp_path / "missing") is None
+
+
 def test_restore_rejects_mismatched_config(saved, tmp_path):
     directory, _, _ = saved
     with pytest.raises(ValueError, match="d_model"):
         restore_params(directory, CFG.replace(d_model=64), mesh_of(2))
+    with pytest.raises(ValueError, match="moe.num_experts"):
+        restore_params(directory, CFG.replace(num_experts=4), mesh_of(2))
     with pytest.raises(ValueError, match="directory"):
         restore_params(tmp_path / "missing", CFG)

@@ -16,8 +16,8 @@ from moe_jax.traces import load_jsonl, per_peer_counts, save_jsonl
 from moe_testing import mesh_of
 
 NEW_TOKENS = 8
-BASE = DecoderConfig(vocab_size=64, d_model=32, num_heads=4, num_layers=2, num_experts=8,
-                     top_k=2, ffn_size=64, max_len=16)
+BASE = DecoderConfig.create(vocab_size=64, d_model=32, num_heads=4, num_layers=2,
+                            num_experts=8, top_k=2, ffn_size=64, max_len=16)
 # Small enough that the spill pass and the fallback both run.
 TINY_CS = dict(capacity=1, spill_capacity=1)
 
@@ -66,10 +66,26 @@ def _naive_greedy(params, tokens, mask, steps):
     (dict(max_len=-1), "max_len"),
     (dict(strategy="cap_and_spill"), "capacity"),
     (dict(strategy="bogus"), "strategy"),
+    (dict(bogus=1), "bogus"),
+    (dict(moe={"hidden_size": 32}), "moe"),
 ])
 def test_config_rejects_bad_arguments(changes, argument):
     with pytest.raises(ValueError, match=argument):
         BASE.replace(**changes)
+
+
+def test_config_nests_the_moe_config():
+    cfg = BASE.replace(strategy="cap_and_spill", capacity=3, spill_capacity=1, num_layers=3)
+    assert cfg.moe == BASE.moe.replace(strategy="cap_and_spill", capacity=3, spill_capacity=1)
+    assert cfg.num_layers == 3 and BASE.num_layers == 2
+    assert cfg.d_model == cfg.moe.hidden_size == 32 and cfg.head_dim == 8
+    assert cfg.dtype == cfg.moe.dtype == jnp.float32
+    assert DecoderConfig(vocab_size=64, num_heads=4, num_layers=3, max_len=16,
+                         moe=cfg.moe) == cfg
+    wide = cfg.replace(d_model=64)
+    assert wide.moe.hidden_size == 64 and wide.moe.capacity == 3
+    assert hash(cfg) == hash(BASE.replace(num_layers=3, strategy="cap_and_spill", capacity=3,
+                                          spill_capacity=1))
 
 
 def test_generate_rejects_bad_arguments(params, prompts):
@@ -130,7 +146,7 @@ def test_every_strategy_and_ep_size_generates_the_same_tokens(strategy, ep, para
                       max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(result.tokens, reference)
     batch, length = prompts[0].shape
-    rows_per_layer = BASE.top_k * batch * (length + NEW_TOKENS - 1)
+    rows_per_layer = BASE.moe.top_k * batch * (length + NEW_TOKENS - 1)
     assert int(result.stats.rows) == BASE.num_layers * rows_per_layer
     if strategy == "cap_and_spill":
         assert int(result.stats.spilled_rows) > 0 and int(result.stats.spill_steps) > 0

@@ -64,50 +64,55 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
 
 
+# MoEConfig defaults that differ for the decoder: it runs the dense reference
+# in float32 unless told otherwise.
+_MOE_DEFAULTS = dict(hidden_size=32, ffn_size=64, num_experts=8, top_k=2, strategy="dense",
+                     dtype=jnp.float32, param_dtype=jnp.float32)
+
+
+def _default_moe() -> MoEConfig:
+    return MoEConfig(**_MOE_DEFAULTS)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Shapes of the decoder, plus the MoEConfig fields passed through.
+    """Shapes of the decoder around one MoE layer configuration.
 
     Attributes:
-      vocab_size, d_model, num_heads, num_layers, num_experts, top_k,
-      ffn_size (width of each SwiGLU expert), max_len (KV cache slots: prompt
-      plus generated tokens).
+      vocab_size, num_heads, num_layers, max_len (KV cache slots: prompt plus
+        generated tokens).
       tie_embeddings: LM head = embedding transposed (else a separate
         ``lm_head``).
       rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
-      strategy, capacity, spill_capacity, transport, kernel_impl,
-      expert_axis, router, num_groups, topk_groups, routed_scaling: passed to
-        MoEConfig unchanged.
-      dtype: activations (attention and the MoE layer); param_dtype: params.
+      moe: the MoEConfig of every block's MoE layer. Its ``hidden_size`` is
+        the model width (``d_model``), its ``dtype`` the activation dtype of
+        the whole model (attention too) and its ``param_dtype`` the dtype of
+        every parameter.
+
+    Build one with :meth:`create`, which takes the decoder fields and the
+    MoEConfig fields as keyword arguments in one call (``d_model`` for
+    ``hidden_size``); :meth:`replace` accepts both kinds too::
+
+        cfg = DecoderConfig.create(vocab_size=256, d_model=64, num_heads=4,
+                                   num_layers=2, max_len=32, num_experts=8,
+                                   strategy="ragged")
+        cfg.replace(strategy="cap_and_spill", capacity=4, spill_capacity=2)
     """
 
     vocab_size: int = 64
-    d_model: int = 32
     num_heads: int = 4
     num_layers: int = 2
-    num_experts: int = 8
-    top_k: int = 2
-    ffn_size: int = 64
     max_len: int = 32
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    strategy: str = "dense"
-    capacity: int | None = None
-    spill_capacity: int | None = None
-    transport: str = "lax"
-    kernel_impl: str = "custom_call"
-    expert_axis: str = "ep"
-    router: str = "softmax"
-    num_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling: float = 1.0
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    moe: MoEConfig = dataclasses.field(default_factory=_default_moe)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "num_experts",
-                     "top_k", "ffn_size", "max_len"):
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"DecoderConfig.moe: must be a MoEConfig, got "
+                             f"{type(self.moe).__name__}")
+        for name in ("vocab_size", "num_heads", "num_layers", "max_len"):
             value = getattr(self, name)
             if not _positive_int(value):
                 raise ValueError(f"DecoderConfig.{name}: must be a positive integer, "
@@ -118,9 +123,6 @@ class DecoderConfig:
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig.num_heads: head dim {self.head_dim} must be even "
                              "for RoPE")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"DecoderConfig.top_k: top_k={self.top_k} exceeds "
-                             f"num_experts={self.num_experts}")
         if not self.rope_theta > 0:
             raise ValueError(f"DecoderConfig.rope_theta: must be > 0, got {self.rope_theta!r}")
         if not self.norm_eps > 0:
@@ -128,24 +130,66 @@ class DecoderConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError("DecoderConfig.tie_embeddings: must be a bool, got "
                              f"{self.tie_embeddings!r}")
-        self.moe_config()  # validates the pass-through fields (names them)
+
+    @classmethod
+    def create(cls, **fields) -> "DecoderConfig":
+        """A DecoderConfig from decoder and MoEConfig keyword arguments.
+
+        Decoder fields (``vocab_size``, ``num_heads``, ...) set the decoder;
+        ``d_model`` sets ``moe.hidden_size``; every other MoEConfig field
+        (``num_experts``, ``top_k``, ``ffn_size``, ``strategy``, ``capacity``,
+        ``dtype``, ...) sets ``moe``. Unset MoE fields take the decoder's
+        defaults (d_model 32, ffn_size 64, 8 experts, top-2, the "dense"
+        strategy, float32) or else MoEConfig's.
+        """
+        own, moe = _split_fields(fields)
+        return cls(**own, moe=MoEConfig(**{**_MOE_DEFAULTS, **moe}))
+
+    def replace(self, **changes) -> "DecoderConfig":
+        """A copy with decoder and/or MoEConfig fields changed (as in :meth:`create`)."""
+        own, moe = _split_fields(changes)
+        if moe:
+            own["moe"] = own.get("moe", self.moe).replace(**moe)
+        return dataclasses.replace(self, **own)
+
+    @property
+    def d_model(self) -> int:
+        """Model width (``moe.hidden_size``)."""
+        return self.moe.hidden_size
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
-    def moe_config(self) -> MoEConfig:
-        return MoEConfig(
-            hidden_size=self.d_model, ffn_size=self.ffn_size, num_experts=self.num_experts,
-            top_k=self.top_k, strategy=self.strategy, capacity=self.capacity,
-            spill_capacity=self.spill_capacity, transport=self.transport,
-            kernel_impl=self.kernel_impl, expert_axis=self.expert_axis, router=self.router,
-            num_groups=self.num_groups, topk_groups=self.topk_groups,
-            routed_scaling=self.routed_scaling, dtype=self.dtype,
-            param_dtype=self.param_dtype)
+    @property
+    def dtype(self) -> Any:
+        """Activation dtype of the whole model (``moe.dtype``)."""
+        return self.moe.dtype
 
-    def replace(self, **changes) -> "DecoderConfig":
-        return dataclasses.replace(self, **changes)
+    @property
+    def param_dtype(self) -> Any:
+        """Dtype of every parameter (``moe.param_dtype``)."""
+        return self.moe.param_dtype
+
+
+_DECODER_FIELDS = frozenset(f.name for f in dataclasses.fields(DecoderConfig))
+_MOE_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig))
+
+
+def _split_fields(fields: dict) -> tuple[dict, dict]:
+    """Keyword arguments -> (DecoderConfig fields, MoEConfig fields)."""
+    own, moe = {}, {}
+    for name, value in fields.items():
+        if name == "d_model":
+            moe["hidden_size"] = value
+        elif name in _DECODER_FIELDS:
+            own[name] = value
+        elif name in _MOE_FIELDS:
+            moe[name] = value
+        else:
+            raise ValueError(f"DecoderConfig.{name}: not a field of DecoderConfig or "
+                             "MoEConfig")
+    return own, moe
 
 
 class KVCache(NamedTuple):
@@ -263,7 +307,7 @@ def _head(x, params_embed, lm_head, final_norm, cfg: DecoderConfig) -> jax.Array
 
 def init_params(key: jax.Array, cfg: DecoderConfig) -> dict:
     """Random canonical params (unsharded; see the module docstring)."""
-    moe_cfg = cfg.moe_config()
+    moe_cfg = cfg.moe
     dt = cfg.param_dtype
     keys = jax.random.split(key, cfg.num_layers + 2)
     params: dict = {"embed": _embed_init(keys[0], (cfg.vocab_size, cfg.d_model), dt)}
@@ -272,7 +316,7 @@ def init_params(key: jax.Array, cfg: DecoderConfig) -> dict:
         layer = {}
         for j, (name, (init, shape)) in enumerate(_attn_inits(cfg).items()):
             layer[name] = init(lk[j], shape, dt)
-        d, f, e = cfg.d_model, cfg.ffn_size, cfg.num_experts
+        d, f, e = cfg.d_model, moe_cfg.ffn_size, moe_cfg.num_experts
         ek = jax.random.split(lk[6], 4)
         moe = {"router": router_init(ek[0], (d, e), dt)}
         if moe_cfg.router == "sigmoid_grouped":
@@ -309,7 +353,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     tokens, positions [B, S] int; cache: KVCache; index: cache slot of the
     first token; kv_valid [B, max_len] bool; mesh: for expert parallelism.
     """
-    moe_cfg = cfg.moe_config()
+    moe_cfg = cfg.moe
     x = jnp.take(params["embed"], tokens, axis=0).astype(jnp.float32)
     new_k, new_v, stats, records = [], [], [], []
     for i in range(cfg.num_layers):
@@ -350,13 +394,13 @@ class _LinenBlock(nn.Module):
                               cache_k, cache_v, index, kv_valid, cfg)
         x = x + a.astype(jnp.float32)
         h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-        moe = moe_linen.MoE(cfg.moe_config(), self.mesh, name="moe")
+        moe = moe_linen.MoE(cfg.moe, self.mesh, name="moe")
         y = moe(h.astype(cfg.dtype))
         rec = None
         if record:
             mp = moe.variables["params"]
             rec = _routing_record(h, nn.meta.unbox(mp["router"]),
-                                  nn.meta.unbox(mp.get("router_bias")), cfg.moe_config())
+                                  nn.meta.unbox(mp.get("router_bias")), cfg.moe)
         return x + y.astype(jnp.float32), ck, cv, rec
 
 
@@ -416,7 +460,7 @@ class _NnxBlock(nnx.Module):
         self.cfg = cfg
         for name, (init, shape) in _attn_inits(cfg).items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, cfg.param_dtype)))
-        self.moe = moe_nnx.MoE(cfg.moe_config(), mesh=mesh, rngs=rngs)
+        self.moe = moe_nnx.MoE(cfg.moe, mesh=mesh, rngs=rngs)
 
     def __call__(self, x, positions, cache_k, cache_v, index, kv_valid, record=False):
         cfg = self.cfg
@@ -432,7 +476,7 @@ class _NnxBlock(nnx.Module):
         rec = None
         if record:
             mp = self.moe.params()
-            rec = _routing_record(h, mp.router, mp.router_bias, cfg.moe_config())
+            rec = _routing_record(h, mp.router, mp.router_bias, cfg.moe)
         return x + y.astype(jnp.float32), ck, cv, rec, stats
 
 
@@ -477,7 +521,7 @@ class MixtralNnx(nnx.Module):
 
 
 def _moe_names(cfg: DecoderConfig) -> tuple[str, ...]:
-    bias = ("router_bias",) if cfg.router == "sigmoid_grouped" else ()
+    bias = ("router_bias",) if cfg.moe.router == "sigmoid_grouped" else ()
     return ("router",) + bias + EXPERT_PARAM_NAMES
 
 

@@ -145,12 +145,12 @@ def routing_traces(routing, batch: int, prompt_len: int, cfg: DecoderConfig,
     pre_tok = (base + slots[None, :]).reshape(-1)
     for layer in range(cfg.num_layers):
         traces.append(RoutingTrace(layer, pre_ids[layer], pre_w[layer], pre_tok,
-                                   num_ranks=num_ranks, num_experts=cfg.num_experts, step=0))
+                                   num_ranks=num_ranks, num_experts=cfg.moe.num_experts, step=0))
     for s in range(dec_ids.shape[0]):
         tok = base[:, 0] + prompt_len + s
         for layer in range(cfg.num_layers):
             traces.append(RoutingTrace(layer, dec_ids[s, layer], dec_w[s, layer], tok,
-                                       num_ranks=num_ranks, num_experts=cfg.num_experts,
+                                       num_ranks=num_ranks, num_experts=cfg.moe.num_experts,
                                        step=s + 1))
     return traces
 
@@ -202,10 +202,10 @@ def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, promp
     if prompt_len + max_new_tokens > cfg.max_len:
         raise ValueError(f"max_new_tokens: prompt length {prompt_len} + {max_new_tokens} new "
                          f"tokens exceed max_len={cfg.max_len}")
-    axis = cfg.expert_axis
+    axis = cfg.moe.expert_axis
     ranks = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
-    if cfg.strategy != "dense" and ranks > 1:
-        cfg.moe_config().experts_per_rank(ranks)  # raises naming num_experts
+    if cfg.moe.strategy != "dense" and ranks > 1:
+        cfg.moe.experts_per_rank(ranks)  # raises naming num_experts
     if batch % ranks:
         raise ValueError(f"prompt_tokens: batch {batch} does not split evenly over the "
                          f"{ranks} ranks of mesh axis {axis!r}")

@@ -11,7 +11,9 @@ calibrated Mixtral-8x7B trace model:
                   transport lax.all_to_all ("lax") or one NCCL group ("nccl")
   ragged          lax.ragged_all_to_all (only real rows move)
   ragged:nvlink   moe_jax's count-aware NVLink kernels (only real rows move,
-                  no host sync); also cap_and_spill:nvlink
+                  no host sync); also cap_and_spill:nvlink, and
+                  ragged:nvlink_fp8 (e4m3 dispatch with per-128 scales,
+                  dequantized for the experts, bf16 combine)
   gshard          GShard one-hot einsum dispatch (capacity T per expert: exact)
 
 Phases: "dispatch" (pack + all-to-all), "combine" (all-to-all back + merge),
@@ -128,8 +130,9 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
     """A jitted function (x, ids, w) -> output for one method and phase."""
     strategy, _, transport = method.partition(":")
     noguard = transport == "noguard"
+    fp8 = transport == "nvlink_fp8"
     transport = {"nccl": "custom_call", "": "lax", "lax": "lax", "noguard": "lax",
-                 "nvlink": "nvlink"}[transport]
+                 "nvlink": "nvlink", "nvlink_fp8": "nvlink"}[transport]
     experts_per_rank = FLAGS.experts // ranks
     backend = "cpu" if mesh.devices.flat[0].platform == "cpu" else "gpu"
     ctx = DispatchContext("ep", ranks, transport, "custom_call", backend,
@@ -143,9 +146,15 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
             expert_fn = _swiglu(mj.ExpertWeights(*expert_weights))
         if strategy == "gshard":
             return _gshard(x, ids, w, expert_fn, ctx, experts_per_rank, phase)
-        if transport == "nvlink" and phase == "dispatch":
-            return nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank, axis_name="ep",
-                                   mesh_devices=ctx.mesh_devices)[1].rows
+        if transport == "nvlink" and (phase == "dispatch" or fp8):
+            channel, got = nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank,
+                                           axis_name="ep", mesh_devices=ctx.mesh_devices,
+                                           fp8=fp8)
+            if phase == "dispatch":
+                return got.rows
+            rows = nvlink.dequantize(got.rows, got.scales, x.dtype) if fp8 else got.rows
+            return nvlink.combine(channel, expert_fn(rows, got.group_sizes).astype(x.dtype),
+                                  got, ids, w, axis_name="ep")
         if phase in ("dispatch", "combine") and strategy in ("max_counts", "cap_and_spill"):
             plan = make_plan(ids, ranks, experts_per_rank)
             cap, sp = (worst, 0) if strategy == "max_counts" else (capacity, spill)
@@ -286,7 +295,7 @@ def main(argv):
                         and (q != 0.99 or method == "cap_and_spill:noguard"):
                     continue  # the halves at one quantile; every quantile as dc and layer
                 if (method == "ragged" and phase in ("dispatch", "combine")) or (
-                        method in ("gshard", "ragged:nvlink", "cap_and_spill:nvlink")
+                        method in ("gshard", "ragged:nvlink", "ragged:nvlink_fp8", "cap_and_spill:nvlink")
                         and phase == "combine"):
                     continue
                 cap = calib.capacity if calib else None

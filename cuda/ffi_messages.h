@@ -23,6 +23,7 @@ inline std::string_view DTypeName(ffi::DataType t) {
     case ffi::DataType::F32: return "f32";
     case ffi::DataType::BF16: return "bf16";
     case ffi::DataType::F16: return "f16";
+    case ffi::DataType::F8E4M3FN: return "f8e4m3fn";
     case ffi::DataType::F64: return "f64";
     case ffi::DataType::S32: return "s32";
     case ffi::DataType::S64: return "s64";

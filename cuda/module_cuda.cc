@@ -30,7 +30,10 @@ NB_MODULE(_ffi_cuda, m) {
             {"moe_jax_nvlink_dispatch_send", reinterpret_cast<void*>(MoeJaxNvlinkDispatchSend)},
             {"moe_jax_nvlink_dispatch_recv", reinterpret_cast<void*>(MoeJaxNvlinkDispatchRecv)},
             {"moe_jax_nvlink_combine_send", reinterpret_cast<void*>(MoeJaxNvlinkCombineSend)},
-            {"moe_jax_nvlink_combine_recv", reinterpret_cast<void*>(MoeJaxNvlinkCombineRecv)}};
+            {"moe_jax_nvlink_combine_recv", reinterpret_cast<void*>(MoeJaxNvlinkCombineRecv)},
+            {"moe_jax_nvlink_dispatch_fp8", reinterpret_cast<void*>(MoeJaxNvlinkDispatchFp8)},
+            {"moe_jax_nvlink_dispatch_recv_fp8",
+             reinterpret_cast<void*>(MoeJaxNvlinkDispatchRecvFp8)}};
         for (const auto& [name, execute] : nvlink) {
           nb::dict stages;
           stages["prepare"] = nb::capsule(reinterpret_cast<void*>(MoeJaxNvlinkPrepare));

@@ -2,16 +2,26 @@
 // the four kernel launchers (plain C++, no device code).
 //
 // A channel is the persistent state one expert-parallel group of GPUs shares
-// for one (tokens, top_k, experts_per_rank, row_bytes) signature: on every
-// rank one device allocation holding
+// for one (tokens, top_k, experts_per_rank, row_bytes, dispatch format)
+// signature: on every rank one device allocation holding
 //
 //   counters  u64[4 * P + 8]: dispatch arrivals / acks, combine arrivals /
 //             acks (one per peer), then 4 call epochs and 4 block tallies
 //   headers   i32[2][P][P * E_local]: each source's send counts, per parity
-//   dispatch  [2][P][W][row_bytes]: rows each source wrote, per parity
-//   combine   [2][P][W][row_bytes]: expert outputs each expert rank returned
+//   index     i32[2][P][W]: for each source, the token row (in its dispatch
+//             staging) of every entry of its stream to this rank
+//   dispatch  [2][P][T][D]: token rows each source sent, once per token
+//             and destination rank however many of its picks live there
+//   combine   [2][P][W][row_bytes]: expert outputs each expert rank returned,
+//             one per (token, pick)
+//   local     i32[T][P] token rows of this rank's current send, then (fp8
+//             dispatch) its quantized tokens [T][D]; never read by peers
 //
-// with W = T * min(k, E_local), the most rows one source can send one rank.
+// with W = T * min(k, E_local), the most (token, pick) entries one source
+// can send one rank, and D the bytes of a dispatched row (row_bytes, or
+// H + 4 * H / 128 for e4m3 with per-128 float32 scales). A stream to a rank
+// lists its entries by (local expert, token, pick); the index maps each
+// entry to its token row, which the receiver copies into the grouped layout.
 // Senders store rows straight into the receiver's buffers over NVLink (peer
 // access), then raise the receiver's arrival counter; receivers wait on it
 // on the device. Buffers alternate between two parities by call count, and
@@ -58,23 +68,46 @@ struct ChannelShape {
   int32_t experts_per_rank = 0;  // E_local
   int64_t tokens = 0;            // T
   int32_t top_k = 0;             // k
-  int64_t row_bytes = 0;         // H * itemsize, a multiple of 16
+  int64_t row_bytes = 0;         // H * itemsize of x and y, a multiple of 16
+  int32_t dispatch_fp8 = 0;      // 1: x is bf16, dispatched as e4m3 + f32 scales
 
+  MOE_JAX_HD static int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
   MOE_JAX_HD int64_t Slots() const { return tokens * top_k; }
   MOE_JAX_HD int64_t RowsPerSource() const {  // W
     return tokens * (top_k < experts_per_rank ? top_k : experts_per_rank);
   }
   MOE_JAX_HD int64_t NumExperts() const { return int64_t{num_ranks} * experts_per_rank; }
+  // fp8 dispatch: H e4m3 bytes, then H / 128 float32 scales (x is bf16).
+  MOE_JAX_HD int64_t Hidden() const { return row_bytes / 2; }
+  MOE_JAX_HD int64_t DispatchRowBytes() const {  // D
+    return dispatch_fp8 ? Hidden() + Hidden() / 32 : row_bytes;
+  }
+  // Bytes of a dispatched row's first part (rows result); the rest (scales) follows.
+  MOE_JAX_HD int64_t DispatchValueBytes() const { return dispatch_fp8 ? Hidden() : row_bytes; }
+
   MOE_JAX_HD int64_t CountersBytes() const { return Counters::Count(num_ranks) * 8; }
   MOE_JAX_HD int64_t HeadersOffset() const { return CountersBytes(); }
   MOE_JAX_HD int64_t HeaderInts() const { return NumExperts(); }  // one source's [P, E_local]
   MOE_JAX_HD int64_t HeadersBytes() const { return 2 * num_ranks * HeaderInts() * 4; }
-  MOE_JAX_HD int64_t DispatchOffset() const {
-    return (HeadersOffset() + HeadersBytes() + 255) / 256 * 256;
+  MOE_JAX_HD int64_t IndexOffset() const { return HeadersOffset() + HeadersBytes(); }
+  MOE_JAX_HD int64_t IndexBytes() const { return 2 * num_ranks * RowsPerSource() * 4; }
+  MOE_JAX_HD int64_t DispatchOffset() const { return Align(IndexOffset() + IndexBytes()); }
+  MOE_JAX_HD int64_t DispatchStagingBytes() const {
+    return 2 * num_ranks * tokens * DispatchRowBytes();
   }
-  MOE_JAX_HD int64_t StagingBytes() const { return 2 * num_ranks * RowsPerSource() * row_bytes; }
-  MOE_JAX_HD int64_t CombineOffset() const { return DispatchOffset() + StagingBytes(); }
-  MOE_JAX_HD int64_t TotalBytes() const { return CombineOffset() + StagingBytes(); }
+  MOE_JAX_HD int64_t CombineOffset() const { return DispatchOffset() + DispatchStagingBytes(); }
+  MOE_JAX_HD int64_t CombineStagingBytes() const {
+    return 2 * num_ranks * RowsPerSource() * row_bytes;
+  }
+  MOE_JAX_HD int64_t TokenRowsOffset() const {
+    return Align(CombineOffset() + CombineStagingBytes());
+  }
+  MOE_JAX_HD int64_t QuantizedOffset() const {
+    return Align(TokenRowsOffset() + tokens * num_ranks * 4);
+  }
+  MOE_JAX_HD int64_t TotalBytes() const {
+    return QuantizedOffset() + (dispatch_fp8 ? tokens * DispatchRowBytes() : 0);
+  }
 };
 
 // What one rank's kernels see: every rank's block (peer pointers) and its
@@ -96,19 +129,23 @@ int CombineRecvBlocks(const ChannelShape& s);
 cudaError_t ConfigureKernels(const ChannelShape& s);
 
 // dispatch send: positions of this rank's (token, pick) slots in their
-// streams, send counts, then the rows into the receivers' buffers.
+// streams, send counts, then each token's row once into the buffer of every
+// rank that one of its picks lives on (quantized first for fp8 dispatch).
 //   x [T, row_bytes]; expert_ids [T * k] i32 (out of range: dropped)
 //   slot_pos [T * k] i32 out (-1 for dropped picks); send_counts [P * E_local] i32 out
 cudaError_t LaunchDispatchSend(const ChannelView& ch, const void* x,
                                const int32_t* expert_ids, int32_t* slot_pos,
                                int32_t* send_counts, cudaStream_t stream);
 
-// dispatch recv: waits for every source, then copies the rows into `rows`
-// [P * W, row_bytes] grouped by local expert, within an expert by (source,
-// token, pick). Rows past the received total are left as they were.
+// dispatch recv: waits for every source, then copies one row per (token,
+// pick) into `rows` [P * W, DispatchValueBytes()] grouped by local expert,
+// within an expert by (source, token, pick); for fp8 dispatch the scales go
+// to `scales` [P * W, H / 128] f32 (nullptr otherwise). Rows past the
+// received total are left as they were.
 //   group_sizes [E_local] i32 out; all_counts [P, P, E_local] i32 out
-cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, int32_t* group_sizes,
-                               int32_t* all_counts, cudaStream_t stream);
+cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, float* scales,
+                               int32_t* group_sizes, int32_t* all_counts,
+                               cudaStream_t stream);
 
 // combine send: expert outputs y [P * W, row_bytes] (the layout dispatch
 // recv produced) back to their sources. all_counts from dispatch recv.

@@ -1,10 +1,13 @@
 // FFI handlers of the NVLink transport: moe_jax_nvlink_dispatch and
-// moe_jax_nvlink_combine (both halves in one call), and the halves alone,
-// moe_jax_nvlink_{dispatch,combine}_{send,recv}. Every call carries the channel's attributes
+// moe_jax_nvlink_combine (both halves in one call), their fp8-dispatch
+// forms (moe_jax_nvlink_dispatch_fp8, moe_jax_nvlink_dispatch_recv_fp8),
+// and the halves alone, moe_jax_nvlink_{dispatch,combine}_{send,recv}.
+// Every call carries the channel's attributes
 //
 //   device_ordinals: i64[G * P] CUDA device of every group member, each
 //                    group in rank order; group_size: P
-//   experts_per_rank, tokens, top_k, row_bytes (H * itemsize)
+//   experts_per_rank, tokens, top_k, row_bytes (H * itemsize of x)
+//   dispatch_fp8: 1 to dispatch bf16 x as e4m3 with per-128 f32 scales
 //
 // The prepare stage creates the channel of every group (allocation, peer
 // access: host work done before any launch or graph capture). The execute
@@ -17,7 +20,6 @@
 #include <string>
 #include <string_view>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -30,18 +32,32 @@
 namespace ffi = xla::ffi;
 
 namespace moe_jax::cuda::nvlink {
+
+struct Attrs {
+  ffi::Span<const int64_t> device_ordinals;
+  int64_t group_size, experts_per_rank, tokens, top_k, row_bytes, dispatch_fp8;
+};
+
+}  // namespace moe_jax::cuda::nvlink
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    moe_jax::cuda::nvlink::Attrs,
+    xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("device_ordinals"),
+    xla::ffi::StructMember<int64_t>("group_size"),
+    xla::ffi::StructMember<int64_t>("experts_per_rank"),
+    xla::ffi::StructMember<int64_t>("tokens"), xla::ffi::StructMember<int64_t>("top_k"),
+    xla::ffi::StructMember<int64_t>("row_bytes"),
+    xla::ffi::StructMember<int64_t>("dispatch_fp8"));
+
+namespace moe_jax::cuda::nvlink {
 namespace {
 
 constexpr std::string_view kName = "moe_jax_nvlink";
+using Ret = ffi::Result<ffi::AnyBuffer>;
 
 ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
 }
-
-struct Attrs {
-  ffi::Span<const int64_t> device_ordinals;
-  int64_t group_size, experts_per_rank, tokens, top_k, row_bytes;
-};
 
 ffi::Error ShapeOf(const Attrs& a, ChannelShape* shape) {
   if (a.group_size < 1 || a.group_size > kMaxRanks) {
@@ -66,6 +82,11 @@ ffi::Error ShapeOf(const Attrs& a, ChannelShape* shape) {
     return Invalid("attribute `row_bytes` (H * itemsize) must be a positive multiple of 16, "
                    "got " + std::to_string(a.row_bytes));
   }
+  if (a.dispatch_fp8 != 0 && (a.dispatch_fp8 != 1 || a.row_bytes % 1024 != 0)) {
+    return Invalid("attribute `dispatch_fp8` must be 0 or 1, and 1 needs bf16 rows with H a "
+                   "multiple of 512 (row_bytes a multiple of 1024), got dispatch_fp8=" +
+                   std::to_string(a.dispatch_fp8) + ", row_bytes=" + std::to_string(a.row_bytes));
+  }
   const int64_t vectors_per_row = a.row_bytes / 16;
   const int64_t per_source = a.tokens * std::min(a.top_k, a.experts_per_rank);
   if (a.tokens * a.top_k * vectors_per_row >= (int64_t{1} << 31) ||
@@ -78,6 +99,7 @@ ffi::Error ShapeOf(const Attrs& a, ChannelShape* shape) {
   shape->tokens = a.tokens;
   shape->top_k = static_cast<int32_t>(a.top_k);
   shape->row_bytes = a.row_bytes;
+  shape->dispatch_fp8 = static_cast<int32_t>(a.dispatch_fp8);
   return ffi::Error::Success();
 }
 
@@ -89,7 +111,7 @@ std::vector<int> Group(const Attrs& a, size_t g) {
   return ordinals;
 }
 
-ffi::Error Prepare(const Attrs& a) {
+ffi::Error PrepareImpl(Attrs a) {
   ChannelShape shape;
   if (ffi::Error err = ShapeOf(a, &shape); err.failure()) return err;
   for (size_t g = 0; g * a.group_size < a.device_ordinals.size(); ++g) {
@@ -99,20 +121,20 @@ ffi::Error Prepare(const Attrs& a) {
   return ffi::Error::Success();
 }
 
-// This device's channel and rank.
-ffi::Error Find(const Attrs& a, int32_t device, const Channel** channel, int* rank) {
+// The kernels' view of this device's channel (its group and rank).
+ffi::Error Find(const Attrs& a, int32_t device, ChannelView* view) {
   ChannelShape shape;
   if (ffi::Error err = ShapeOf(a, &shape); err.failure()) return err;
   for (size_t i = 0; i < a.device_ordinals.size(); ++i) {
     if (a.device_ordinals[i] != device) continue;
     std::vector<int> group = Group(a, i / a.group_size);
-    *rank = static_cast<int>(i % a.group_size);
-    *channel = FindChannel(group, shape);
-    if (*channel == nullptr) {
+    const Channel* channel = FindChannel(group, shape);
+    if (channel == nullptr) {
       std::string error;
-      *channel = GetChannel(group, shape, &error);
-      if (*channel == nullptr) return Invalid(error);
+      channel = GetChannel(group, shape, &error);
+      if (channel == nullptr) return Invalid(error);
     }
+    *view = channel->ViewFrom(static_cast<int>(i % a.group_size));
     return ffi::Error::Success();
   }
   return Invalid("GPU " + std::to_string(device) +
@@ -133,112 +155,110 @@ ffi::Error Need(bool ok, std::string_view call, std::string_view what, const std
                  Describe(got));
 }
 
-ffi::Error PrepareImpl(ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                       int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                       int64_t row_bytes) {
-  return Prepare({device_ordinals, group_size, experts_per_rank, tokens, top_k, row_bytes});
-}
-
-ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::AnyBuffer expert_ids, ffi::Result<ffi::AnyBuffer> slot_pos,
-                            ffi::Result<ffi::AnyBuffer> send_counts,
-                            ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                            int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                            int64_t row_bytes) {
-  const Attrs a{device_ordinals, group_size, experts_per_rank, tokens, top_k, row_bytes};
-  const Channel* ch = nullptr;
-  int rank = 0;
-  if (ffi::Error err = Find(a, device, &ch, &rank); err.failure()) return err;
+ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts,
+                        const Attrs& a) {
+  ChannelView ch;
+  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
   const std::optional<ElemType> type = FloatType(x.element_type());
-  if (auto e = Need(type && HasDims(x, {tokens, row_bytes / ElemBytes(*type)}), "dispatch_send",
-                    "operand `x`", "f32/bf16/f16 [tokens, row_bytes / itemsize]", x);
+  const bool fp8 = ch.shape.dispatch_fp8 != 0;
+  if (auto e = Need(type && (!fp8 || *type == ElemType::kBF16) &&
+                        HasDims(x, {a.tokens, a.row_bytes / ElemBytes(*type)}),
+                    "dispatch_send", "operand `x`",
+                    std::string(fp8 ? "bf16" : "f32/bf16/f16") +
+                        " [tokens, row_bytes / itemsize]",
+                    x);
       e.failure()) {
     return e;
   }
   if (auto e = Need(expert_ids.element_type() == ffi::DataType::S32 &&
-                        HasDims(expert_ids, {tokens, top_k}),
-                    "dispatch_send", "operand `expert_ids`", Shape("s32", {tokens, top_k}),
+                        HasDims(expert_ids, {a.tokens, a.top_k}),
+                    "dispatch_send", "operand `expert_ids`", Shape("s32", {a.tokens, a.top_k}),
                     expert_ids);
       e.failure()) {
     return e;
   }
   return Launched("dispatch_send",
-                  LaunchDispatchSend(ch->ViewFrom(rank), x.untyped_data(),
+                  LaunchDispatchSend(ch, x.untyped_data(),
                                      static_cast<const int32_t*>(expert_ids.untyped_data()),
                                      static_cast<int32_t*>(slot_pos->untyped_data()),
                                      static_cast<int32_t*>(send_counts->untyped_data()), stream));
 }
 
-ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*slot_pos*/,
-                            ffi::Result<ffi::AnyBuffer> rows,
-                            ffi::Result<ffi::AnyBuffer> group_sizes,
-                            ffi::Result<ffi::AnyBuffer> all_counts,
-                            ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                            int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                            int64_t row_bytes) {
-  const Attrs a{device_ordinals, group_size, experts_per_rank, tokens, top_k, row_bytes};
-  const Channel* ch = nullptr;
-  int rank = 0;
-  if (ffi::Error err = Find(a, device, &ch, &rank); err.failure()) return err;
-  const int64_t want_rows = group_size * ch->shape.RowsPerSource();
+// scales: nullptr unless the channel dispatches fp8.
+ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, Ret rows, Ret* scales,
+                        Ret group_sizes, Ret all_counts, const Attrs& a) {
+  ChannelView ch;
+  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
+  const ChannelShape& s = ch.shape;
+  const int64_t want_rows = a.group_size * s.RowsPerSource();
+  const bool fp8 = s.dispatch_fp8 != 0;
+  if (fp8 != (scales != nullptr)) {
+    return Invalid(std::string("dispatch_recv: the channel ") +
+                   (fp8 ? "dispatches fp8 (dispatch_fp8=1): call the _fp8 target"
+                        : "does not dispatch fp8: call the target without _fp8"));
+  }
   const std::optional<ElemType> type = FloatType(rows->element_type());
-  if (auto e = Need(type && HasDims(*rows, {want_rows, row_bytes / ElemBytes(*type)}),
-                    "dispatch_recv", "result `rows`",
-                    "[P * tokens * min(top_k, experts_per_rank) = " + std::to_string(want_rows) +
-                        ", H]",
+  const bool rows_ok = fp8 ? rows->element_type() == ffi::DataType::F8E4M3FN &&
+                                 HasDims(*rows, {want_rows, s.Hidden()})
+                           : type && HasDims(*rows, {want_rows, a.row_bytes / ElemBytes(*type)});
+  if (auto e = Need(rows_ok, "dispatch_recv", "result `rows`",
+                    std::string(fp8 ? "f8e4m3fn" : "") + "[P * tokens * min(top_k, "
+                        "experts_per_rank) = " + std::to_string(want_rows) + ", H]",
                     *rows);
       e.failure()) {
     return e;
   }
+  if (fp8) {
+    if (auto e = Need((*scales)->element_type() == ffi::DataType::F32 &&
+                          HasDims(**scales, {want_rows, s.Hidden() / 128}),
+                      "dispatch_recv", "result `scales`",
+                      Shape("f32", {want_rows, s.Hidden() / 128}), **scales);
+        e.failure()) {
+      return e;
+    }
+  }
+  float* scales_data = fp8 ? static_cast<float*>((*scales)->untyped_data()) : nullptr;
   return Launched("dispatch_recv",
-                  LaunchDispatchRecv(ch->ViewFrom(rank), rows->untyped_data(),
+                  LaunchDispatchRecv(ch, rows->untyped_data(), scales_data,
                                      static_cast<int32_t*>(group_sizes->untyped_data()),
                                      static_cast<int32_t*>(all_counts->untyped_data()), stream));
 }
 
-ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
-                           ffi::AnyBuffer all_counts, ffi::Result<ffi::AnyBuffer> /*done*/,
-                           ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                           int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                           int64_t row_bytes) {
-  const Attrs a{device_ordinals, group_size, experts_per_rank, tokens, top_k, row_bytes};
-  const Channel* ch = nullptr;
-  int rank = 0;
-  if (ffi::Error err = Find(a, device, &ch, &rank); err.failure()) return err;
-  const int64_t want_rows = group_size * ch->shape.RowsPerSource();
+ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                       ffi::AnyBuffer all_counts, const Attrs& a) {
+  ChannelView ch;
+  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
+  const int64_t want_rows = a.group_size * ch.shape.RowsPerSource();
   const std::optional<ElemType> type = FloatType(y.element_type());
-  if (auto e = Need(type && HasDims(y, {want_rows, row_bytes / ElemBytes(*type)}),
+  if (auto e = Need(type && HasDims(y, {want_rows, a.row_bytes / ElemBytes(*type)}),
                     "combine_send", "operand `y`",
-                    "[" + std::to_string(want_rows) + ", H] in the dispatched dtype", y);
+                    "[" + std::to_string(want_rows) + ", H] in x's dtype", y);
       e.failure()) {
     return e;
   }
+  const int64_t p = a.group_size;
   if (auto e = Need(all_counts.element_type() == ffi::DataType::S32 &&
-                        HasDims(all_counts, {group_size, group_size, experts_per_rank}),
+                        HasDims(all_counts, {p, p, a.experts_per_rank}),
                     "combine_send", "operand `all_counts`",
-                    Shape("s32", {group_size, group_size, experts_per_rank}), all_counts);
+                    Shape("s32", {p, p, a.experts_per_rank}), all_counts);
       e.failure()) {
     return e;
   }
   return Launched("combine_send",
-                  LaunchCombineSend(ch->ViewFrom(rank), y.untyped_data(),
+                  LaunchCombineSend(ch, y.untyped_data(),
                                     static_cast<const int32_t*>(all_counts.untyped_data()),
                                     stream));
 }
 
-ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*done*/,
-                           ffi::AnyBuffer expert_ids, ffi::AnyBuffer slot_pos,
-                           ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                           int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                           int64_t row_bytes) {
-  const Attrs a{device_ordinals, group_size, experts_per_rank, tokens, top_k, row_bytes};
-  const Channel* ch = nullptr;
-  int rank = 0;
-  if (ffi::Error err = Find(a, device, &ch, &rank); err.failure()) return err;
+ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_ids,
+                       ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out,
+                       const Attrs& a) {
+  ChannelView ch;
+  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
   const std::optional<ElemType> type = FloatType(out->element_type());
-  if (auto e = Need(type && HasDims(*out, {tokens, row_bytes / ElemBytes(*type)}),
-                    "combine_recv", "result `out`", "[tokens, H] in the dispatched dtype", *out);
+  if (auto e = Need(type && HasDims(*out, {a.tokens, a.row_bytes / ElemBytes(*type)}),
+                    "combine_recv", "result `out`", "[tokens, H] in x's dtype", *out);
       e.failure()) {
     return e;
   }
@@ -246,144 +266,174 @@ ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /
        {std::tuple{"expert_ids", &expert_ids, ffi::DataType::S32},
         std::tuple{"slot_pos", &slot_pos, ffi::DataType::S32},
         std::tuple{"weights", &weights, ffi::DataType::F32}}) {
-    if (auto e = Need(buf->element_type() == dtype && HasDims(*buf, {tokens, top_k}),
+    if (auto e = Need(buf->element_type() == dtype && HasDims(*buf, {a.tokens, a.top_k}),
                       "combine_recv", std::string("operand `") + name + "`",
-                      Shape(DTypeName(dtype), {tokens, top_k}), *buf);
+                      Shape(DTypeName(dtype), {a.tokens, a.top_k}), *buf);
         e.failure()) {
       return e;
     }
   }
   return Launched("combine_recv",
-                  LaunchCombineRecv(ch->ViewFrom(rank), *type,
+                  LaunchCombineRecv(ch, *type,
                                     static_cast<const int32_t*>(expert_ids.untyped_data()),
                                     static_cast<const int32_t*>(slot_pos.untyped_data()),
                                     static_cast<const float*>(weights.untyped_data()),
                                     out->untyped_data(), stream));
 }
 
-// Both halves in one call: nothing XLA schedules can come between them, so
-// consecutive calls of a channel always alternate send and receive.
+// The execute handlers. Fused calls run both halves: nothing XLA schedules
+// can come between them, so consecutive calls of a channel always
+// alternate send and receive.
+
+ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts, Attrs a) {
+  return DispatchSend(stream, device, x, expert_ids, slot_pos, send_counts, a);
+}
+
+ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*slot_pos*/,
+                            Ret rows, Ret group_sizes, Ret all_counts, Attrs a) {
+  return DispatchRecv(stream, device, rows, nullptr, group_sizes, all_counts, a);
+}
+
+ffi::Error DispatchRecvFp8Impl(cudaStream_t stream, int32_t device,
+                               ffi::AnyBuffer /*slot_pos*/, Ret rows, Ret scales,
+                               Ret group_sizes, Ret all_counts, Attrs a) {
+  return DispatchRecv(stream, device, rows, &scales, group_sizes, all_counts, a);
+}
+
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                        ffi::AnyBuffer expert_ids, ffi::Result<ffi::AnyBuffer> slot_pos,
-                        ffi::Result<ffi::AnyBuffer> send_counts,
-                        ffi::Result<ffi::AnyBuffer> rows,
-                        ffi::Result<ffi::AnyBuffer> group_sizes,
-                        ffi::Result<ffi::AnyBuffer> all_counts,
-                        ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                        int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                        int64_t row_bytes) {
-  if (ffi::Error e = DispatchSendImpl(stream, device, x, expert_ids, slot_pos, send_counts,
-                                      device_ordinals, group_size, experts_per_rank, tokens,
-                                      top_k, row_bytes);
+                        ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts, Ret rows,
+                        Ret group_sizes, Ret all_counts, Attrs a) {
+  if (ffi::Error e = DispatchSend(stream, device, x, expert_ids, slot_pos, send_counts, a);
       e.failure()) {
     return e;
   }
-  return DispatchRecvImpl(stream, device, x, rows, group_sizes, all_counts, device_ordinals,
-                          group_size, experts_per_rank, tokens, top_k, row_bytes);
+  return DispatchRecv(stream, device, rows, nullptr, group_sizes, all_counts, a);
+}
+
+ffi::Error DispatchFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                           ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts, Ret rows,
+                           Ret scales, Ret group_sizes, Ret all_counts, Attrs a) {
+  if (ffi::Error e = DispatchSend(stream, device, x, expert_ids, slot_pos, send_counts, a);
+      e.failure()) {
+    return e;
+  }
+  return DispatchRecv(stream, device, rows, &scales, group_sizes, all_counts, a);
+}
+
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                           ffi::AnyBuffer all_counts, Ret /*done*/, Attrs a) {
+  return CombineSend(stream, device, y, all_counts, a);
+}
+
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*done*/,
+                           ffi::AnyBuffer expert_ids, ffi::AnyBuffer slot_pos,
+                           ffi::AnyBuffer weights, Ret out, Attrs a) {
+  return CombineRecv(stream, device, expert_ids, slot_pos, weights, out, a);
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                        ffi::AnyBuffer all_counts, ffi::AnyBuffer expert_ids,
-                       ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights,
-                       ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Span<const int64_t> device_ordinals, int64_t group_size,
-                       int64_t experts_per_rank, int64_t tokens, int64_t top_k,
-                       int64_t row_bytes) {
-  if (ffi::Error e = CombineSendImpl(stream, device, y, all_counts, out, device_ordinals,
-                                     group_size, experts_per_rank, tokens, top_k, row_bytes);
-      e.failure()) {
-    return e;
-  }
-  return CombineRecvImpl(stream, device, y, expert_ids, slot_pos, weights, out,
-                         device_ordinals, group_size, experts_per_rank, tokens, top_k,
-                         row_bytes);
+                       ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out, Attrs a) {
+  if (ffi::Error e = CombineSend(stream, device, y, all_counts, a); e.failure()) return e;
+  return CombineRecv(stream, device, expert_ids, slot_pos, weights, out, a);
 }
 
-template <typename Binding>
-auto WithAttrs(Binding&& b) {
-  return std::forward<Binding>(b).template Attr<ffi::Span<const int64_t>>("device_ordinals")
-      .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("experts_per_rank")
-      .template Attr<int64_t>("tokens")
-      .template Attr<int64_t>("top_k")
-      .template Attr<int64_t>("row_bytes");
+// The execute binding's context: XLA's stream and this GPU's ordinal.
+auto Execute() {
+  return ffi::Ffi::BindExecute()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>();
 }
 
 }  // namespace
 }  // namespace moe_jax::cuda::nvlink
 
 namespace nv = moe_jax::cuda::nvlink;
+using nv::Execute;
+using xla::ffi::AnyBuffer;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkPrepare, nv::PrepareImpl,
-                              nv::WithAttrs(ffi::Ffi::BindPrepare()));
+                              xla::ffi::Ffi::BindPrepare().Attrs<nv::Attrs>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeJaxNvlinkDispatchSend, nv::DispatchSendImpl,
-    nv::WithAttrs(ffi::Ffi::BindExecute()
-                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                      .Ctx<ffi::DeviceOrdinal>()
-                      .Arg<ffi::AnyBuffer>()    // x
-                      .Arg<ffi::AnyBuffer>()    // expert_ids
-                      .Ret<ffi::AnyBuffer>()    // slot_pos
-                      .Ret<ffi::AnyBuffer>()),  // send_counts
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchSend, nv::DispatchSendImpl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // x
+                                  .Arg<AnyBuffer>()    // expert_ids
+                                  .Ret<AnyBuffer>()    // slot_pos
+                                  .Ret<AnyBuffer>()    // send_counts
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeJaxNvlinkDispatchRecv, nv::DispatchRecvImpl,
-    nv::WithAttrs(ffi::Ffi::BindExecute()
-                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                      .Ctx<ffi::DeviceOrdinal>()
-                      .Arg<ffi::AnyBuffer>()    // slot_pos (orders recv after send)
-                      .Ret<ffi::AnyBuffer>()    // rows
-                      .Ret<ffi::AnyBuffer>()    // group_sizes
-                      .Ret<ffi::AnyBuffer>()),  // all_counts
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchRecv, nv::DispatchRecvImpl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // slot_pos (orders recv after send)
+                                  .Ret<AnyBuffer>()    // rows
+                                  .Ret<AnyBuffer>()    // group_sizes
+                                  .Ret<AnyBuffer>()    // all_counts
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeJaxNvlinkCombineSend, nv::CombineSendImpl,
-    nv::WithAttrs(ffi::Ffi::BindExecute()
-                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                      .Ctx<ffi::DeviceOrdinal>()
-                      .Arg<ffi::AnyBuffer>()    // y
-                      .Arg<ffi::AnyBuffer>()    // all_counts
-                      .Ret<ffi::AnyBuffer>()),  // done (orders recv after send)
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchRecvFp8, nv::DispatchRecvFp8Impl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // slot_pos
+                                  .Ret<AnyBuffer>()    // rows (f8e4m3fn)
+                                  .Ret<AnyBuffer>()    // scales
+                                  .Ret<AnyBuffer>()    // group_sizes
+                                  .Ret<AnyBuffer>()    // all_counts
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeJaxNvlinkCombineRecv, nv::CombineRecvImpl,
-    nv::WithAttrs(ffi::Ffi::BindExecute()
-                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                      .Ctx<ffi::DeviceOrdinal>()
-                      .Arg<ffi::AnyBuffer>()    // done
-                      .Arg<ffi::AnyBuffer>()    // expert_ids
-                      .Arg<ffi::AnyBuffer>()    // slot_pos
-                      .Arg<ffi::AnyBuffer>()    // weights
-                      .Ret<ffi::AnyBuffer>()),  // out
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkCombineSend, nv::CombineSendImpl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // y
+                                  .Arg<AnyBuffer>()    // all_counts
+                                  .Ret<AnyBuffer>()    // done (orders recv after send)
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeJaxNvlinkDispatch, nv::DispatchImpl,
-    nv::WithAttrs(ffi::Ffi::BindExecute()
-                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                      .Ctx<ffi::DeviceOrdinal>()
-                      .Arg<ffi::AnyBuffer>()    // x
-                      .Arg<ffi::AnyBuffer>()    // expert_ids
-                      .Ret<ffi::AnyBuffer>()    // slot_pos
-                      .Ret<ffi::AnyBuffer>()    // send_counts
-                      .Ret<ffi::AnyBuffer>()    // rows
-                      .Ret<ffi::AnyBuffer>()    // group_sizes
-                      .Ret<ffi::AnyBuffer>()),  // all_counts
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkCombineRecv, nv::CombineRecvImpl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // done
+                                  .Arg<AnyBuffer>()    // expert_ids
+                                  .Arg<AnyBuffer>()    // slot_pos
+                                  .Arg<AnyBuffer>()    // weights
+                                  .Ret<AnyBuffer>()    // out
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeJaxNvlinkCombine, nv::CombineImpl,
-    nv::WithAttrs(ffi::Ffi::BindExecute()
-                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                      .Ctx<ffi::DeviceOrdinal>()
-                      .Arg<ffi::AnyBuffer>()    // y
-                      .Arg<ffi::AnyBuffer>()    // all_counts
-                      .Arg<ffi::AnyBuffer>()    // expert_ids
-                      .Arg<ffi::AnyBuffer>()    // slot_pos
-                      .Arg<ffi::AnyBuffer>()    // weights
-                      .Ret<ffi::AnyBuffer>()),  // out
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatch, nv::DispatchImpl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // x
+                                  .Arg<AnyBuffer>()    // expert_ids
+                                  .Ret<AnyBuffer>()    // slot_pos
+                                  .Ret<AnyBuffer>()    // send_counts
+                                  .Ret<AnyBuffer>()    // rows
+                                  .Ret<AnyBuffer>()    // group_sizes
+                                  .Ret<AnyBuffer>()    // all_counts
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchFp8, nv::DispatchFp8Impl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // x (bf16)
+                                  .Arg<AnyBuffer>()    // expert_ids
+                                  .Ret<AnyBuffer>()    // slot_pos
+                                  .Ret<AnyBuffer>()    // send_counts
+                                  .Ret<AnyBuffer>()    // rows (f8e4m3fn)
+                                  .Ret<AnyBuffer>()    // scales
+                                  .Ret<AnyBuffer>()    // group_sizes
+                                  .Ret<AnyBuffer>()    // all_counts
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkCombine, nv::CombineImpl,
+                              Execute()
+                                  .Arg<AnyBuffer>()    // y
+                                  .Arg<AnyBuffer>()    // all_counts
+                                  .Arg<AnyBuffer>()    // expert_ids
+                                  .Arg<AnyBuffer>()    // slot_pos
+                                  .Arg<AnyBuffer>()    // weights
+                                  .Ret<AnyBuffer>()    // out
+                                  .Attrs<nv::Attrs>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -9,9 +9,16 @@
 // which the sender waits on before reusing that parity two calls later.
 // Call indices (epochs) live on the device: the last block of a call
 // advances its epoch, so graph replays need no host-side state.
+//
+// Dispatch moves each token once per destination rank (however many of its
+// picks live there) and an index entry per (token, pick); the receiver
+// expands the index into one row per pick while it groups the rows by
+// expert, a copy it makes anyway.
 #include "nvlink_channel.h"
 
 #include <cstdio>
+
+#include <cuda_fp8.h>
 
 #include "vec_access.cuh"
 
@@ -112,11 +119,30 @@ __device__ __forceinline__ int32_t* Header(const ChannelView& ch, int rank, int 
          (int64_t{parity} * s.num_ranks + src) * s.HeaderInts();
 }
 
-__device__ __forceinline__ uint8_t* StagedRow(const ChannelView& ch, int rank, int64_t offset,
-                                              int parity, int src, int64_t pos) {
+__device__ __forceinline__ int32_t* IndexOf(const ChannelView& ch, int rank, int parity,
+                                            int src) {
   const ChannelShape& s = ch.shape;
-  return ch.base[rank] + offset +
+  return reinterpret_cast<int32_t*>(ch.base[rank] + s.IndexOffset()) +
+         (int64_t{parity} * s.num_ranks + src) * s.RowsPerSource();
+}
+
+__device__ __forceinline__ uint8_t* DispatchRow(const ChannelView& ch, int rank, int parity,
+                                                int src, int64_t row) {
+  const ChannelShape& s = ch.shape;
+  return ch.base[rank] + s.DispatchOffset() +
+         ((int64_t{parity} * s.num_ranks + src) * s.tokens + row) * s.DispatchRowBytes();
+}
+
+__device__ __forceinline__ uint8_t* CombineRow(const ChannelView& ch, int rank, int parity,
+                                               int src, int64_t pos) {
+  const ChannelShape& s = ch.shape;
+  return ch.base[rank] + s.CombineOffset() +
          ((int64_t{parity} * s.num_ranks + src) * s.RowsPerSource() + pos) * s.row_bytes;
+}
+
+// This rank's i32[T][P] token rows of its current send (local scratch).
+__device__ __forceinline__ int32_t* TokenRows(const ChannelView& ch) {
+  return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.TokenRowsOffset());
 }
 
 // Per-block tables of the rows this rank holds for each (source, local
@@ -178,32 +204,48 @@ __device__ __forceinline__ void Locate(const RecvTables& tb, int num_ranks, int 
   pos = tb.stream_start[s][e] + (j - tb.src_offset[s][e]);
 }
 
-// Grid-stride copy of `total` 16-byte vectors; where(i, &src, &dst) names
-// vector i's source and destination (dst nullptr: skip). Each thread loads
-// kUnroll vectors before storing any, keeping several transfers in flight.
-// Loads are L2-coherent (sources may be buffers peers wrote).
+// Copies num_rows rows of `vecs` 16-byte vectors, one warp per (row, chunk
+// of kChunkVecs vectors), grid-stride. where(r, &src, &dst, &tail) names row
+// r's source (nullptr: skip the row) and destination; vectors from `split`
+// on go to tail[v - split] instead of dst[v]. Each lane loads kUnroll
+// vectors before storing any, keeping several transfers in flight. Loads are
+// L2-coherent (sources may be buffers peers wrote).
 constexpr int kUnroll = 4;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunkVecs = 32 * kUnroll;
+
+__host__ __device__ constexpr int32_t ChunksPerRow(int64_t row_bytes) {
+  return static_cast<int32_t>((row_bytes / 16 + kChunkVecs - 1) / kChunkVecs);
+}
 
 template <typename Where>
-__device__ __forceinline__ void CopyVectors(int32_t total, Where where) {
-  const int32_t stride = static_cast<int32_t>(gridDim.x * blockDim.x);
-  for (int32_t base = static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x); base < total;
-       base += stride * kUnroll) {
+__device__ __forceinline__ void CopyRows(int32_t num_rows, int32_t vecs, int32_t split,
+                                         Where where) {
+  const int32_t chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
+  const int32_t units = num_rows * chunks;
+  const int32_t warps = static_cast<int32_t>(gridDim.x) * kWarps;
+  const int lane = threadIdx.x % 32;
+  for (int32_t u = static_cast<int32_t>(blockIdx.x) * kWarps + threadIdx.x / 32; u < units;
+       u += warps) {
+    const int32_t r = u / chunks;
+    const int32_t first = (u % chunks) * kChunkVecs + lane;
+    const uint4* src = nullptr;
+    uint4* dst = nullptr;
+    uint4* tail = nullptr;
+    where(r, &src, &dst, &tail);
+    if (src == nullptr) continue;
     uint4 val[kUnroll];
-    uint4* dst[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int32_t i = base + u * stride;
-      dst[u] = nullptr;
-      if (i < total) {
-        const uint4* src = nullptr;
-        where(i, &src, &dst[u]);
-        if (dst[u] != nullptr) val[u] = __ldcg(src);
-      }
+    for (int k = 0; k < kUnroll; ++k) {
+      const int32_t v = first + k * 32;
+      if (v < vecs) val[k] = __ldcg(src + v);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (dst[u] != nullptr) *dst[u] = val[u];
+    for (int k = 0; k < kUnroll; ++k) {
+      const int32_t v = first + k * 32;
+      if (v < vecs) {
+        if (v < split) dst[v] = val[k]; else tail[v - split] = val[k];
+      }
     }
   }
 }
@@ -213,12 +255,17 @@ __device__ __forceinline__ void CopyVectors(int32_t total, Where where) {
 //===----------------------------------------------------------------------===//
 
 // One block: slot_pos[n] = position of slot n in its (this rank -> dest)
-// stream, ordered by (local expert, token, pick); send_counts per expert.
+// stream, ordered by (local expert, token, pick); send_counts per expert;
+// token_rows[t * P + d] = row of token t in the dispatch staging of rank d
+// (tokens in order), -1 when no pick of t lives on d.
 __global__ void PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
                            int32_t* __restrict__ slot_pos, int32_t* __restrict__ send_counts) {
   extern __shared__ int32_t smem[];
+  __shared__ int32_t warp_tokens[32][kMaxRanks];
+  __shared__ int32_t token_base[kMaxRanks];
   const int num_experts = static_cast<int>(ch.shape.NumExperts());
   const int num_local = ch.shape.experts_per_rank;
+  const int p = ch.shape.num_ranks, k = ch.shape.top_k;
   const int64_t n_slots = ch.shape.Slots();
   int32_t* warp_count = smem;                       // [32][E]
   int32_t* base = smem + 32 * num_experts;          // [E]
@@ -260,12 +307,91 @@ __global__ void PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_id
     const int32_t e = expert_ids[n];
     if (e >= 0 && e < num_experts) slot_pos[n] += offset[e];
   }
+
+  int32_t* token_rows = TokenRows(ch);
+  if (threadIdx.x < p) token_base[threadIdx.x] = 0;
+  const unsigned below = (1u << lane) - 1;
+  for (int64_t t0 = 0; t0 < ch.shape.tokens; t0 += blockDim.x) {
+    const int64_t t = t0 + threadIdx.x;
+    unsigned ranks = 0;  // bit d: some pick of t lives on rank d
+    if (t < ch.shape.tokens) {
+      for (int j = 0; j < k; ++j) {
+        const int32_t e = expert_ids[t * k + j];
+        if (e >= 0 && e < num_experts) ranks |= 1u << (e / num_local);
+      }
+    }
+    __syncthreads();
+    for (int d = 0; d < p; ++d) {
+      const unsigned have = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
+      if (lane == 0) warp_tokens[warp][d] = __popc(have);
+    }
+    __syncthreads();
+    if (threadIdx.x < p) {
+      const int d = threadIdx.x;
+      int32_t run = token_base[d];
+      for (int w = 0; w < 32; ++w) {
+        const int32_t c = warp_tokens[w][d];
+        warp_tokens[w][d] = run;
+        run += c;
+      }
+      token_base[d] = run;
+    }
+    __syncthreads();
+    for (int d = 0; d < p; ++d) {
+      const unsigned have = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
+      if (t < ch.shape.tokens) {
+        token_rows[t * p + d] =
+            (ranks >> d) & 1u ? warp_tokens[warp][d] + __popc(have & below) : -1;
+      }
+    }
+  }
 }
 
+// fp8 dispatch: each token row -> H e4m3 values then H / 128 float32
+// scales, one warp per 128-element block with amax = max |x|:
+// value = e4m3(x * (448 / amax)) (round to nearest even, saturating) and
+// scale = amax * f32(1 / 448), both 1 when the block is all zeros. IEEE division
+// and multiply (no fast math), so references reproduce every bit.
 __global__ void __launch_bounds__(kThreads)
-SendKernel(ChannelView ch, const uint8_t* __restrict__ x, const int32_t* __restrict__ expert_ids,
-           const int32_t* __restrict__ slot_pos, const int32_t* __restrict__ send_counts,
-           int recv_blocks) {
+QuantizeKernel(ChannelView ch, const uint16_t* __restrict__ x) {
+  const ChannelShape& s = ch.shape;
+  const int64_t hidden = s.Hidden();
+  const int64_t blocks_per_row = hidden / 128;
+  const int64_t units = s.tokens * blocks_per_row;
+  uint8_t* quantized = ch.base[ch.rank] + s.QuantizedOffset();
+  const int lane = threadIdx.x % 32;
+  for (int64_t u = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; u < units;
+       u += int64_t{gridDim.x} * kWarps) {
+    const int64_t t = u / blocks_per_row, b = u % blocks_per_row;
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + t * hidden + b * 128) + lane);
+    float v[4];
+    v[0] = __uint_as_float((raw.x & 0xffffu) << 16);
+    v[1] = __uint_as_float(raw.x & 0xffff0000u);
+    v[2] = __uint_as_float((raw.y & 0xffffu) << 16);
+    v[3] = __uint_as_float(raw.y & 0xffff0000u);
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float inverse = amax > 0.0f ? __fdiv_rn(448.0f, amax) : 1.0f;
+    const float scale = amax > 0.0f ? __fmul_rn(amax, 1.0f / 448.0f) : 1.0f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const __nv_fp8_storage_t f8 =
+          __nv_cvt_float_to_fp8(__fmul_rn(v[q], inverse), __NV_SATFINITE, __NV_E4M3);
+      packed |= uint32_t{f8} << (8 * q);
+    }
+    uint8_t* row = quantized + t * s.DispatchRowBytes();
+    reinterpret_cast<uint32_t*>(row + b * 128)[lane] = packed;
+    if (lane == 0) reinterpret_cast<float*>(row + hidden)[b] = scale;
+  }
+}
+
+// rows: x, or the quantized tokens for fp8 dispatch ([T, D] either way).
+__global__ void __launch_bounds__(kThreads)
+SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
+           const int32_t* __restrict__ expert_ids, const int32_t* __restrict__ slot_pos,
+           const int32_t* __restrict__ send_counts, int recv_blocks) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
   const u64 epoch = BlockEpoch(ch, kDispatchSend);
@@ -279,17 +405,24 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ x, const int32_t* __restr
       for (int64_t i = threadIdx.x; i < ints; i += blockDim.x) h[i] = send_counts[i];
     }
   }
-  const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
-  const int64_t offset = s.DispatchOffset();
-  CopyVectors(static_cast<int32_t>(s.Slots() * vecs),
-              [&](int32_t i, const uint4** src, uint4** dst) {
-                const int32_t n = i / vecs, v = i % vecs;
-                const int32_t pos = slot_pos[n];
-                if (pos < 0) return;
-                const int d = expert_ids[n] / s.experts_per_rank;
-                *src = reinterpret_cast<const uint4*>(x + int64_t{n / s.top_k} * s.row_bytes) + v;
-                *dst = reinterpret_cast<uint4*>(StagedRow(ch, d, offset, parity, ch.rank, pos)) + v;
-              });
+  const int32_t* token_rows = TokenRows(ch);
+  for (int64_t n = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; n < s.Slots();
+       n += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t pos = slot_pos[n];
+    if (pos < 0) continue;
+    const int d = expert_ids[n] / s.experts_per_rank;
+    IndexOf(ch, d, parity, ch.rank)[pos] = token_rows[(n / s.top_k) * p + d];
+  }
+  const int64_t row_bytes = s.DispatchRowBytes();
+  const int32_t vecs = static_cast<int32_t>(row_bytes / 16);
+  CopyRows(static_cast<int32_t>(s.tokens * p), vecs, vecs,
+           [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
+             const int32_t row = token_rows[r];
+             if (row < 0) return;
+             const int d = r % p;
+             *src = reinterpret_cast<const uint4*>(rows + int64_t{r / p} * row_bytes);
+             *dst = reinterpret_cast<uint4*>(DispatchRow(ch, d, parity, ch.rank, row));
+           });
   __syncthreads();
   if (threadIdx.x == 0) SignalPeers(ch, Counters::DispatchArrive(p, 0));
   FinishCall(ch, kDispatchSend);
@@ -300,8 +433,9 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ x, const int32_t* __restr
 //===----------------------------------------------------------------------===//
 
 __global__ void __launch_bounds__(kThreads)
-RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, int32_t* __restrict__ group_sizes,
-           int32_t* __restrict__ all_counts, int send_blocks) {
+RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
+           int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts,
+           int send_blocks) {
   __shared__ RecvTables tb;
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
@@ -325,18 +459,19 @@ RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, int32_t* __restrict__ gro
       group_sizes[e] = tb.expert_offset[e + 1] - tb.expert_offset[e];
     }
   }
-  const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
-  const int64_t offset = s.DispatchOffset();
-  CopyVectors(tb.expert_offset[num_local] * vecs,
-              [&](int32_t i, const uint4** src, uint4** dst) {
-                const int32_t r = i / vecs, v = i % vecs;
-                int from;
-                int32_t pos;
-                Locate(tb, p, num_local, r, from, pos);
-                *src = reinterpret_cast<const uint4*>(
-                    StagedRow(ch, ch.rank, offset, parity, from, pos)) + v;
-                *dst = reinterpret_cast<uint4*>(rows + int64_t{r} * s.row_bytes) + v;
-              });
+  const int64_t value_bytes = s.DispatchValueBytes();
+  const int64_t scale_bytes = s.DispatchRowBytes() - value_bytes;
+  CopyRows(tb.expert_offset[num_local], static_cast<int32_t>(s.DispatchRowBytes() / 16),
+           static_cast<int32_t>(value_bytes / 16),
+           [&](int32_t r, const uint4** src, uint4** dst, uint4** tail) {
+             int from;
+             int32_t pos;
+             Locate(tb, p, num_local, r, from, pos);
+             const int32_t row = __ldcg(IndexOf(ch, ch.rank, parity, from) + pos);
+             *src = reinterpret_cast<const uint4*>(DispatchRow(ch, ch.rank, parity, from, row));
+             *dst = reinterpret_cast<uint4*>(rows + int64_t{r} * value_bytes);
+             *tail = reinterpret_cast<uint4*>(scales + int64_t{r} * scale_bytes);
+           });
   __syncthreads();
   if (threadIdx.x == 0) SignalPeers(ch, Counters::DispatchAck(p, 0));
   FinishCall(ch, kDispatchRecv);
@@ -362,16 +497,14 @@ CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
   if (epoch >= 2) WaitForPeers(ch, Counters::CombineAck(p, 0),
                                u64(recv_blocks) * (epoch - 1), "the combine ack");
   const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
-  const int64_t offset = s.CombineOffset();
-  CopyVectors(tb.expert_offset[num_local] * vecs,
-              [&](int32_t i, const uint4** src, uint4** dst) {
-                const int32_t r = i / vecs, v = i % vecs;
-                int to;
-                int32_t pos;
-                Locate(tb, p, num_local, r, to, pos);
-                *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes) + v;
-                *dst = reinterpret_cast<uint4*>(StagedRow(ch, to, offset, parity, ch.rank, pos)) + v;
-              });
+  CopyRows(tb.expert_offset[num_local], vecs, vecs,
+           [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
+             int to;
+             int32_t pos;
+             Locate(tb, p, num_local, r, to, pos);
+             *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes);
+             *dst = reinterpret_cast<uint4*>(CombineRow(ch, to, parity, ch.rank, pos));
+           });
   __syncthreads();
   if (threadIdx.x == 0) SignalPeers(ch, Counters::CombineArrive(p, 0));
   FinishCall(ch, kCombineSend);
@@ -392,7 +525,6 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
                u64(send_blocks) * (epoch + 1), "the returned rows");
   const int64_t vecs = s.row_bytes / 16;
   const int64_t total = s.tokens * vecs;
-  const int64_t offset = s.CombineOffset();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / vecs, v = i % vecs;
@@ -411,8 +543,7 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
       const int d = expert_ids[n] / s.experts_per_rank;
       const float w = weights[n];
       union { uint4 vec; S elem[kPer]; } in;
-      in.vec = __ldcg(reinterpret_cast<const uint4*>(
-          StagedRow(ch, ch.rank, offset, parity, d, pos)) + v);
+      in.vec = __ldcg(reinterpret_cast<const uint4*>(CombineRow(ch, ch.rank, parity, d, pos)) + v);
 #pragma unroll
       for (int q = 0; q < kPer; ++q) {
         acc[q] = __fadd_rn(acc[q], __fmul_rn(w, E::ToFloat(in.elem[q])));
@@ -428,8 +559,8 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
   FinishCall(ch, kCombineRecv);
 }
 
-int CopyBlocks(int64_t vectors) {
-  const int64_t wanted = (vectors + kThreads - 1) / kThreads;
+int Blocks(int64_t units, int per_block) {
+  const int64_t wanted = (units + per_block - 1) / per_block;
   return static_cast<int>(wanted < 1 ? 1 : (wanted > kMaxCopyBlocks ? kMaxCopyBlocks : wanted));
 }
 
@@ -444,27 +575,41 @@ cudaError_t ConfigureKernels(const ChannelShape& s) {
                               static_cast<int>(PlanSmemBytes(s)));
 }
 
-int SendBlocks(const ChannelShape& s) { return CopyBlocks(s.Slots() * (s.row_bytes / 16)); }
-int RecvBlocks(const ChannelShape& s) {
-  return CopyBlocks(s.num_ranks * s.RowsPerSource() * (s.row_bytes / 16));
+int SendBlocks(const ChannelShape& s) {
+  return Blocks(s.tokens * s.num_ranks * ChunksPerRow(s.DispatchRowBytes()), kWarps);
 }
-int CombineSendBlocks(const ChannelShape& s) { return RecvBlocks(s); }
-int CombineRecvBlocks(const ChannelShape& s) { return CopyBlocks(s.tokens * (s.row_bytes / 16)); }
+int RecvBlocks(const ChannelShape& s) {
+  return Blocks(s.num_ranks * s.RowsPerSource() * ChunksPerRow(s.DispatchRowBytes()), kWarps);
+}
+int CombineSendBlocks(const ChannelShape& s) {
+  return Blocks(s.num_ranks * s.RowsPerSource() * ChunksPerRow(s.row_bytes), kWarps);
+}
+int CombineRecvBlocks(const ChannelShape& s) {
+  return Blocks(s.tokens * (s.row_bytes / 16), kThreads);
+}
 
 cudaError_t LaunchDispatchSend(const ChannelView& ch, const void* x, const int32_t* expert_ids,
                                int32_t* slot_pos, int32_t* send_counts, cudaStream_t stream) {
-  const size_t smem = PlanSmemBytes(ch.shape);
-  PlanKernel<<<1, kPlanThreads, smem, stream>>>(ch, expert_ids, slot_pos, send_counts);
-  SendKernel<<<SendBlocks(ch.shape), kThreads, 0, stream>>>(
-      ch, static_cast<const uint8_t*>(x), expert_ids, slot_pos, send_counts,
-      RecvBlocks(ch.shape));
+  const ChannelShape& s = ch.shape;
+  PlanKernel<<<1, kPlanThreads, PlanSmemBytes(s), stream>>>(ch, expert_ids, slot_pos,
+                                                            send_counts);
+  const uint8_t* rows = static_cast<const uint8_t*>(x);
+  if (s.dispatch_fp8) {
+    QuantizeKernel<<<Blocks(s.tokens * (s.Hidden() / 128), kWarps), kThreads, 0, stream>>>(
+        ch, static_cast<const uint16_t*>(x));
+    rows = ch.base[ch.rank] + s.QuantizedOffset();
+  }
+  SendKernel<<<SendBlocks(s), kThreads, 0, stream>>>(ch, rows, expert_ids, slot_pos,
+                                                     send_counts, RecvBlocks(s));
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, int32_t* group_sizes,
-                               int32_t* all_counts, cudaStream_t stream) {
+cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, float* scales,
+                               int32_t* group_sizes, int32_t* all_counts,
+                               cudaStream_t stream) {
   RecvKernel<<<RecvBlocks(ch.shape), kThreads, 0, stream>>>(
-      ch, static_cast<uint8_t*>(rows), group_sizes, all_counts, SendBlocks(ch.shape));
+      ch, static_cast<uint8_t*>(rows), reinterpret_cast<uint8_t*>(scales), group_sizes,
+      all_counts, SendBlocks(ch.shape));
   return cudaGetLastError();
 }
 

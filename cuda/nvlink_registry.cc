@@ -10,10 +10,11 @@
 namespace moe_jax::cuda::nvlink {
 namespace {
 
-using Key = std::tuple<std::vector<int>, int32_t, int32_t, int64_t, int32_t, int64_t>;
+using Key = std::tuple<std::vector<int>, int32_t, int32_t, int64_t, int32_t, int64_t, int32_t>;
 
 Key KeyOf(const std::vector<int>& ordinals, const ChannelShape& s) {
-  return {ordinals, s.num_ranks, s.experts_per_rank, s.tokens, s.top_k, s.row_bytes};
+  return {ordinals, s.num_ranks, s.experts_per_rank, s.tokens, s.top_k, s.row_bytes,
+          s.dispatch_fp8};
 }
 
 std::mutex& Mutex() {

@@ -1,8 +1,11 @@
 """Count-aware NVLink dispatch and combine (CUDA custom calls).
 
-Senders store each (token, pick) row straight into the receiving GPU's
-persistent buffer over NVLink and raise a device-side flag; receivers wait
-on the flags on the device. Only the rows that exist cross the link, the
+Senders store each token once into the persistent buffer of every GPU that
+one of its picks lives on (over NVLink) with an index entry per (token,
+pick), and raise a device-side flag; receivers wait on the flags on the
+device and expand the index into one row per pick as they group the rows by
+expert. Combine returns one row per (token, pick) and sums them in pick
+order at the source. Only the rows that exist cross the link, the
 counts never leave the device, shapes stay static and nothing synchronizes
 with the host, so every call is graph-capturable.
 
@@ -16,9 +19,9 @@ the program fixes their order, and the fused calls elsewhere. A rank that
 waits more than 30 s for a peer traps with a message naming the wait.
 
 Receive buffers belong to a channel: one per (devices of the expert group,
-T, k, E_local, H * itemsize), allocated once on every GPU of the group
-(2 x 2 x P x T x min(k, E_local) rows per GPU) and shared by every call of
-that signature. At most two sends per channel may be outstanding (each
+T, k, E_local, H * itemsize, dispatch format), allocated once on every GPU
+of the group (2 x P x T dispatched rows and 2 x P x T x min(k, E_local)
+returned rows per GPU) and shared by every call of that signature. At most two sends per channel may be outstanding (each
 half alternates between two buffers). Single process, one GPU per rank,
 all ranks with peer access (one NVLink domain, P <= 8).
 
@@ -26,6 +29,13 @@ Layout of the dispatched rows: [P * W, H], W = T * min(k, E_local), grouped
 by local expert and within an expert by (source rank, token, pick), the
 canonical order every moe_jax strategy delivers; rows past
 sum(group_sizes) are unspecified.
+
+fp8 dispatch (`fp8=True`, bfloat16 x, H a multiple of 512) sends e4m3 rows
+with one float32 scale per 128 elements (`quantize_e4m3` is the reference:
+per 128-element block, value = e4m3(x * (448 / amax)) rounded to nearest
+even and scale = amax * float32(1 / 448), both factors 1 for an all-zero
+block) and delivers them as float8_e4m3fn
+rows plus [P * W, H / 128] scales; combine stays bfloat16.
 """
 
 from __future__ import annotations
@@ -45,7 +55,11 @@ DISPATCH_SEND = "moe_jax_nvlink_dispatch_send"
 DISPATCH_RECV = "moe_jax_nvlink_dispatch_recv"
 COMBINE_SEND = "moe_jax_nvlink_combine_send"
 COMBINE_RECV = "moe_jax_nvlink_combine_recv"
+DISPATCH_FP8 = "moe_jax_nvlink_dispatch_fp8"
+DISPATCH_RECV_FP8 = "moe_jax_nvlink_dispatch_recv_fp8"
 MAX_RANKS = 8
+FP8_BLOCK = 128
+FP8_MAX = 448.0
 
 
 class Dispatched(NamedTuple):
@@ -57,12 +71,15 @@ class Dispatched(NamedTuple):
       expert (the same on every rank).
     slot_pos: [T, k] int32 stream position of this rank's picks (combine
       needs it; -1 for ids out of range, which are dropped).
+    scales: fp8 dispatch only: [P * W, H / 128] float32, rows being
+      float8_e4m3fn (`dequantize` gives the values); None otherwise.
     """
 
     rows: jax.Array
     group_sizes: jax.Array
     all_counts: jax.Array
     slot_pos: jax.Array
+    scales: jax.Array | None = None
 
 
 def _check(cond, operand, message):
@@ -99,6 +116,7 @@ class Channel(NamedTuple):
     top_k: int
     hidden: int
     dtype: jnp.dtype
+    fp8: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -115,11 +133,19 @@ class Channel(NamedTuple):
                     group_size=np.int64(self.num_ranks),
                     experts_per_rank=np.int64(self.experts_per_rank),
                     tokens=np.int64(self.tokens), top_k=np.int64(self.top_k),
-                    row_bytes=np.int64(self.hidden * jnp.dtype(self.dtype).itemsize))
+                    row_bytes=np.int64(self.hidden * jnp.dtype(self.dtype).itemsize),
+                    dispatch_fp8=np.int64(int(self.fp8)))
+
+    def dispatched_types(self) -> tuple:
+        """Shapes/dtypes of the dispatched rows (and scales for fp8)."""
+        if not self.fp8:
+            return (jax.ShapeDtypeStruct((self.rows, self.hidden), self.dtype),)
+        return (jax.ShapeDtypeStruct((self.rows, self.hidden), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((self.rows, self.hidden // FP8_BLOCK), jnp.float32))
 
 
 def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
-                mesh_devices) -> Channel:
+                mesh_devices, fp8: bool = False) -> Channel:
     """Validates the operands (at trace time) and names their channel."""
     _check(x.ndim == 2 and x.dtype in custom_calls.FLOAT_DTYPES, "x",
            f"must be [T, H] float32/bfloat16/float16, got {x.dtype}{list(x.shape)}")
@@ -128,12 +154,16 @@ def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
     _check(expert_ids.ndim == 2 and expert_ids.shape[0] == x.shape[0]
            and expert_ids.dtype == jnp.int32, "expert_ids",
            f"must be int32 [T={x.shape[0]}, k], got {expert_ids.dtype}{list(expert_ids.shape)}")
+    if fp8:
+        _check(x.dtype == jnp.bfloat16 and x.shape[1] % 512 == 0, "x",
+               f"must be bfloat16 with H a multiple of 512 for fp8 dispatch, got "
+               f"{x.dtype}{list(x.shape)}")
     groups = device_ordinal_groups(axis_name, mesh_devices)
     _check(1 <= experts_per_rank <= 256 and groups.shape[1] * experts_per_rank <= 1024,
            "experts_per_rank", f"must be in [1, 256] with P * E_local <= 1024, "
            f"got {experts_per_rank}")
     return Channel(groups, int(experts_per_rank), int(x.shape[0]), int(expert_ids.shape[1]),
-                   int(x.shape[1]), jnp.dtype(x.dtype))
+                   int(x.shape[1]), jnp.dtype(x.dtype), bool(fp8))
 
 
 def _check_y(channel: Channel, y) -> None:
@@ -173,13 +203,18 @@ def dispatch_send(channel: Channel, x, expert_ids, *, axis_name: str):
 
 
 def dispatch_recv(channel: Channel, slot_pos, *, axis_name: str):
-    """Second half: waits for every source. Returns (rows, group_sizes, all_counts)."""
+    """Second half: waits for every source.
+
+    Returns (rows, group_sizes, all_counts), or (rows, scales, group_sizes,
+    all_counts) for an fp8 channel.
+    """
     p, e_local = channel.num_ranks, channel.experts_per_rank
-    out_types = (jax.ShapeDtypeStruct((channel.rows, channel.hidden), channel.dtype),
-                 jax.ShapeDtypeStruct((e_local,), jnp.int32),
-                 jax.ShapeDtypeStruct((p, p, e_local), jnp.int32))
-    return _call(DISPATCH_RECV, channel, axis_name, out_types, (slot_pos,),
-                 same_on_every_rank=(2,))
+    rows = channel.dispatched_types()
+    out_types = rows + (jax.ShapeDtypeStruct((e_local,), jnp.int32),
+                        jax.ShapeDtypeStruct((p, p, e_local), jnp.int32))
+    target = DISPATCH_RECV_FP8 if channel.fp8 else DISPATCH_RECV
+    return _call(target, channel, axis_name, out_types, (slot_pos,),
+                 same_on_every_rank=(len(rows) + 1,))
 
 
 def combine_send(channel: Channel, y, all_counts, *, axis_name: str):
@@ -205,7 +240,7 @@ def combine_recv(channel: Channel, done, expert_ids, slot_pos, weights, *, axis_
 
 
 def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
-             mesh_devices) -> tuple[Channel, Dispatched]:
+             mesh_devices, fp8: bool = False) -> tuple[Channel, Dispatched]:
     """Both halves of dispatch, inside `jax.shard_map` over `axis_name`.
 
     Args:
@@ -214,19 +249,43 @@ def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
       expert_ids: [T, k] int32 global expert ids, distinct per token.
       experts_per_rank: E_local (global expert e lives on rank e // E_local).
       mesh_devices: the mesh's devices in mesh order.
+      fp8: send e4m3 rows with per-128 scales (bfloat16 x, H % 512 == 0).
     Returns (channel, Dispatched). Graph-capturable.
     """
     channel = channel_for(x, expert_ids, experts_per_rank=experts_per_rank,
-                          axis_name=axis_name, mesh_devices=mesh_devices)
+                          axis_name=axis_name, mesh_devices=mesh_devices, fp8=fp8)
     p, e_local = channel.num_ranks, channel.experts_per_rank
-    out_types = (jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
-                 jax.ShapeDtypeStruct((p, e_local), jnp.int32),
-                 jax.ShapeDtypeStruct((channel.rows, channel.hidden), channel.dtype),
-                 jax.ShapeDtypeStruct((e_local,), jnp.int32),
-                 jax.ShapeDtypeStruct((p, p, e_local), jnp.int32))
-    slot_pos, _, rows, group_sizes, all_counts = _call(
-        DISPATCH, channel, axis_name, out_types, (x, expert_ids), same_on_every_rank=(4,))
-    return channel, Dispatched(rows, group_sizes, all_counts, slot_pos)
+    rows = channel.dispatched_types()
+    out_types = ((jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
+                  jax.ShapeDtypeStruct((p, e_local), jnp.int32)) + rows
+                 + (jax.ShapeDtypeStruct((e_local,), jnp.int32),
+                    jax.ShapeDtypeStruct((p, p, e_local), jnp.int32)))
+    target = DISPATCH_FP8 if fp8 else DISPATCH
+    results = _call(target, channel, axis_name, out_types, (x, expert_ids),
+                    same_on_every_rank=(len(out_types) - 1,))
+    slot_pos, group_sizes, all_counts = results[0], results[-2], results[-1]
+    scales = results[3] if fp8 else None
+    return channel, Dispatched(results[2], group_sizes, all_counts, slot_pos, scales)
+
+
+def quantize_e4m3(x):
+    """Reference of the fp8 dispatch format: x [..., H] (H % 128 == 0) ->
+    (values [..., H] float8_e4m3fn, scales [..., H / 128] float32)."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, FP8_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    nonzero = amax > 0
+    safe = jnp.where(nonzero, amax, jnp.float32(1))
+    inverse = jnp.where(nonzero, jnp.float32(FP8_MAX) / safe, jnp.float32(1))
+    scales = jnp.where(nonzero, safe * jnp.float32(1 / FP8_MAX), jnp.float32(1))
+    values = (blocks * inverse[..., None]).astype(jnp.float8_e4m3fn)
+    return values.reshape(x.shape), scales
+
+
+def dequantize(rows, scales, dtype=jnp.bfloat16):
+    """fp8 rows [N, H] and scales [N, H / 128] -> [N, H] values (float32
+    products rounded once to `dtype`)."""
+    blocks = rows.astype(jnp.float32).reshape(rows.shape[0], -1, FP8_BLOCK)
+    return (blocks * scales[..., None]).reshape(rows.shape).astype(dtype)
 
 
 def combine(channel: Channel, y, dispatched: Dispatched, expert_ids, weights, *,

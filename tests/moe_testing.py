@@ -141,6 +141,21 @@ def expected_rank_rows(dense_rows, dense_sizes, ranks):
     return [dense_rows[bounds[r * per_rank]:bounds[(r + 1) * per_rank]] for r in range(ranks)]
 
 
+def quantize_e4m3_np(x) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy reference of the fp8 dispatch format of x [N, H]: (e4m3 values
+    as uint8 bits [N, H], float32 scales [N, H / 128]): per 128-element
+    block, value = e4m3(x * (448 / amax)) rounded to nearest even and
+    scale = amax * f32(1 / 448) (both factors 1 for an all-zero block)."""
+    import ml_dtypes
+    blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(448) / amax, np.float32(1)).astype(np.float32)
+    scales = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+    values = (blocks * inverse[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    return values.reshape(x.shape).view(np.uint8), scales
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])

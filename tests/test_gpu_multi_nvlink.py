@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_jax as mj
 from moe_jax import nvlink
-from moe_testing import ROUTINGS, bits, make_routing, mesh_of, needs_gpus
+from moe_testing import ROUTINGS, bits, make_routing, mesh_of, needs_gpus, quantize_e4m3_np
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 
@@ -206,3 +206,76 @@ def test_split_halves_with_work_between():
         out, _ = fn(*(jax.device_put(a, sharding) for a in (x, ids, w)))
         _, want = _expected(x, ids, w, 2, 32, 2)
         np.testing.assert_array_equal(bits(np.asarray(out)), bits(want))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_runner(ranks, experts_per_rank, split):
+    """fp8 dispatch, dequantized identity experts, bf16 combine."""
+    mesh = mesh_of(ranks, "gpu")
+    devices = tuple(mesh.devices.flat)
+
+    def body(x, ids, w):
+        if split:
+            ch = nvlink.channel_for(x, ids, experts_per_rank=experts_per_rank, axis_name="ep",
+                                    mesh_devices=devices, fp8=True)
+            slot_pos, _ = nvlink.dispatch_send(ch, x, ids, axis_name="ep")
+            rows, scales, sizes, counts = nvlink.dispatch_recv(ch, slot_pos, axis_name="ep")
+            got = nvlink.Dispatched(rows, sizes, counts, slot_pos, scales)
+        else:
+            ch, got = nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank,
+                                      axis_name="ep", mesh_devices=devices, fp8=True)
+        y = nvlink.dequantize(got.rows, got.scales)
+        out = nvlink.combine(ch, y, got, ids, w, axis_name="ep")
+        return out, jax.lax.bitcast_convert_type(got.rows, jnp.uint8), got.scales, \
+            got.group_sizes
+
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 4))
+    return mesh, fn
+
+
+def _check_fp8(ranks, tokens, num_experts, top_k, hidden, kind, seed, split=False):
+    experts_per_rank = num_experts // ranks
+    x, ids, w = _case(seed, ranks, tokens, num_experts, top_k, hidden, kind, jnp.bfloat16)
+    x = np.array(x)
+    x[0, :128] = 0          # an all-zero block: scale 1
+    x[1, 5] = 3.0e4         # a large outlier in one block
+    mesh, fn = _fp8_runner(ranks, experts_per_rank, split)
+    sharding = NamedSharding(mesh, P("ep"))
+    out, rows, scales, sizes = (np.asarray(o) for o in
+                                fn(*(jax.device_put(a, sharding) for a in (x, ids, w))))
+    q, s = quantize_e4m3_np(x)
+    want_q, _ = _expected(q, ids, w, ranks, tokens, experts_per_rank)
+    want_s, _ = _expected(s, ids, w, ranks, tokens, experts_per_rank)
+    rows = rows.reshape(ranks, -1, hidden)
+    scales = scales.reshape(ranks, -1, hidden // 128)
+    sizes = sizes.reshape(ranks, experts_per_rank)
+    for r in range(ranks):
+        n = want_q[r].shape[0]
+        assert sizes[r].sum() == n
+        np.testing.assert_array_equal(rows[r, :n], want_q[r], err_msg=f"rank {r}: fp8 rows")
+        np.testing.assert_array_equal(bits(scales[r, :n]), bits(want_s[r]),
+                                      err_msg=f"rank {r}: scales")
+    import ml_dtypes
+    deq = (q.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(len(x), -1, 128)
+           * s[..., None]).reshape(x.shape).astype(ml_dtypes.bfloat16)
+    _, want_out = _expected(deq, ids, w, ranks, tokens, experts_per_rank)
+    np.testing.assert_array_equal(bits(out), bits(want_out), err_msg="bf16 combine differs")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "one_expert", "empty_rank", "zipf"])
+def test_fp8_dispatch_exact(ranks, kind):
+    needs_gpus(ranks)
+    _check_fp8(ranks, 24, 4 * ranks, 3, 512, kind, seed=200 + ranks + ROUTINGS.index(kind))
+
+
+def test_fp8_dispatch_top8_of_256_hidden_7168():
+    needs_gpus(4)
+    _check_fp8(4, 128, 256, 8, 7168, "zipf", seed=3)
+
+
+def test_fp8_split_halves():
+    needs_gpus(2)
+    for i in range(3):
+        _check_fp8(2, 32, 4, 2, 1024, "random", seed=300 + i, split=True)

@@ -2,13 +2,14 @@
 the argument; its kernels are covered by tests/test_gpu_multi_nvlink.py."""
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_jax as mj
 from moe_jax import nvlink
-from moe_testing import mesh_of
+from moe_testing import mesh_of, quantize_e4m3_np
 
 
 def _lower(body, mesh, *args):
@@ -90,3 +91,34 @@ def test_channel_size_is_the_worst_case():
     ch = nvlink.Channel(groups, 2, 128, 8, 7168, jnp.dtype(jnp.bfloat16))
     assert ch.rows == 4 * 128 * 2
     assert int(ch.attrs()["row_bytes"]) == 7168 * 2
+
+
+@pytest.mark.parametrize("x", [jnp.ones((4, 512), jnp.float32),     # fp8 needs bf16
+                               jnp.ones((4, 256), jnp.bfloat16)])   # H % 512 != 0
+def test_fp8_dispatch_checks_x(x):
+    mesh = mesh_of(2, "cpu")
+
+    def body(x, ids):
+        nvlink.channel_for(x, ids, experts_per_rank=1, axis_name="ep",
+                           mesh_devices=tuple(mesh.devices.flat), fp8=True)
+        return x
+
+    with pytest.raises(ValueError, match="argument 'x'.*fp8"):
+        _lower(body, mesh, x, jnp.zeros((4, 1), jnp.int32))
+
+
+def test_quantize_e4m3_matches_numpy_reference():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((16, 1024)) * np.exp(rng.uniform(-8, 8, (16, 1)))).astype(np.float32)
+    x[0, :128] = 0
+    x[1, 3] = 6.0e4
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    values, scales = jax.jit(nvlink.quantize_e4m3)(x)
+    want_values, want_scales = quantize_e4m3_np(x)
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8), want_values)
+    np.testing.assert_array_equal(np.asarray(scales), want_scales)
+    back = np.asarray(nvlink.dequantize(values, scales, jnp.float32))
+    # e4m3 keeps 3 mantissa bits: within 2^-4 of each value relative to its block's amax
+    blocks = np.abs(np.asarray(x, np.float32)).reshape(16, -1, 128).max(-1, keepdims=True)
+    err = np.abs(back - np.asarray(x, np.float32)).reshape(16, -1, 128)
+    assert np.all(err <= blocks * 2.0 ** -4 + 1e-30)

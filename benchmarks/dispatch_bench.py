@@ -71,6 +71,8 @@ flags.DEFINE_enum("timing", "host", ["host", "loop"],
                   "host: time each step around a synchronous call (percentiles); loop: run "
                   "all steps inside one jitted fori_loop and report the mean per step "
                   "(device-side latency, no host dispatch between steps).")
+flags.DEFINE_integer("loop_unroll", 1, "With --timing=loop: steps per loop iteration "
+                     "(amortizes the loop's own per-iteration cost).")
 
 
 def _mesh():
@@ -177,7 +179,8 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
             def step(i, acc):
                 out = body(x, ids_steps[i], w_steps[i], *extra)
                 return acc + jnp.sum(out.astype(jnp.float32))
-            return jax.lax.fori_loop(0, ids_steps.shape[0], step, jnp.zeros((), jnp.float32))
+            return jax.lax.fori_loop(0, ids_steps.shape[0], step, jnp.zeros((), jnp.float32),
+                                     unroll=FLAGS.loop_unroll)
         loop_specs = (P("ep"), P(None, "ep"), P(None, "ep")) + specs[3:]
         return jax.jit(jax.shard_map(looped, mesh=mesh, in_specs=loop_specs, out_specs=P(),
                                      check_vma=False))
@@ -352,7 +355,7 @@ def _write(results, devices, bandwidth, partial):
         moe_jax=mj.__version__, moe_jax_source_sha256=_source_digest(),
         python=platform.python_version(),
         alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9, hidden=FLAGS.hidden,
-        timing=FLAGS.timing,
+        timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll,
         experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
         xla_flags=os.environ.get("XLA_FLAGS", ""))
     stem = os.path.join(FLAGS.out, FLAGS.tag)

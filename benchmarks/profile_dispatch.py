@@ -4,8 +4,9 @@
 
 For each method and T it traces 20 steps of the "dc" phase of
 dispatch_bench, then prints (and writes to DIR/profile_summary.txt) the
-device time per step by kernel on GPU 0, largest first, and the wall time
-per step.
+device time per step by kernel on GPU 0, largest first, the wall time per step and,
+for the NVLink transport, its dispatch and combine kernels' time per step
+(including their waits for peers).
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def main(argv):
                          f"us/step (traced), {len(kernels)} kernel names")
             for k, v in kernels.most_common(FLAGS.top):
                 lines.append(f"    {v:8.1f} us  {k}")
+            nvlink = {k: v for k, v in kernels.items() if "nvlink::" in k}
+            if nvlink:
+                combine = sum(v for k, v in nvlink.items() if "Combine" in k)
+                lines.append(f"    NVLink kernels per step: dispatch {sum(nvlink.values()) - combine:.1f}"
+                             f" us (plan, quantize, send, receive), combine {combine:.1f} us "
+                             "(send, receive)")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(FLAGS.out, "profile_summary.txt"), "w") as f:

@@ -41,7 +41,9 @@ def write_report(json_path: str) -> str:
         lines += ["Timing `loop`: all measured steps run inside one jitted fori_loop "
                   "(fresh routing per step, no host work between steps); `mean` is the "
                   "median over 3 such runs of their mean per step, `p99` the slowest "
-                  "run (no per-step percentiles in this mode).", ""]
+                  "run (no per-step percentiles in this mode)"
+                  + (f"; the loop body holds {meta['loop_unroll']} steps."
+                     if meta.get("loop_unroll", 1) > 1 else "."), ""]
     lines += ["Latencies in microseconds, timed per step on the host around a "
               "synchronous call (includes JAX's dispatch overhead) unless the timing "
               "is `loop`; `pipelined` is the mean of back-to-back calls. `floor` is the time to move the "

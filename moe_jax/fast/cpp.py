@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_jax.fast import plan as pl
 from moe_jax.fast import reference as ref
 
 try:
@@ -73,3 +74,47 @@ def spreadout_time(matrix) -> int:
   if x.ndim != 2 or x.shape[0] != x.shape[1]:
     raise ValueError(f"matrix must be square, got shape {x.shape}")
   return int(_require().spreadout_time(x))
+
+
+def execution_plan(traffic, num_servers: int, gpus_per_server: int
+                   ) -> pl.ExecutionPlan:
+  """Same as ``plan.execution_plan``, computed in C++ (xla_ffi/fast/plan.cc:
+  the code the CUDA custom call runs)."""
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  d = _require().plan(np.ascontiguousarray(t), int(num_servers),
+                      int(gpus_per_server))
+  return pl.ExecutionPlan(d["ops"], int(d["num_phases"]), d["workspace_used"],
+                          int(num_servers), int(gpus_per_server))
+
+
+def simulate_execution(traffic, num_servers: int, gpus_per_server: int, x,
+                       rows_out: int, ws_rows: int) -> np.ndarray:
+  """Every rank's staged all-to-all program, issued as on the GPU (issue.h)
+  over an in-memory NCCL stand-in (xla_ffi/fast/simulate.h).
+
+  Args:
+    traffic: int[G, G] rows per flow.
+    x: [G, rows_in, ...] any dtype: each rank's send rows.
+    rows_out, ws_rows: rows of each rank's out and workspace buffers.
+  Returns:
+    [G, rows_out, ...] x.dtype: each rank's out buffer.
+  Raises:
+    ValueError: unmatched sends/receives, hazards, undelivered rows, or
+      buffers too small for the traffic.
+  """
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  x = np.ascontiguousarray(x)
+  if x.ndim < 2 or x.shape[0] != t.shape[0]:
+    raise ValueError(f"x must have shape [G={t.shape[0]}, rows_in, ...], "
+                     f"got {x.shape}")
+  rows_in = x.shape[1]
+  tail = x.shape[2:]
+  raw = x.reshape(x.shape[0], rows_in, -1).view(np.uint8)
+  if rows_in == 0 or raw.shape[2] == 0:
+    raw = np.zeros((x.shape[0], rows_in, max(1, x.dtype.itemsize * int(
+        np.prod(tail, dtype=np.int64)))), np.uint8)
+  out = _require().simulate_execution(np.ascontiguousarray(t), int(num_servers),
+                                      int(gpus_per_server),
+                                      np.ascontiguousarray(raw),
+                                      int(rows_out), int(ws_rows))
+  return out.view(x.dtype).reshape((x.shape[0], int(rows_out)) + tail)

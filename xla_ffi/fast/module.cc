@@ -12,7 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "xla_ffi/fast/plan.h"
 #include "xla_ffi/fast/scheduler.h"
+#include "xla_ffi/fast/simulate.h"
 
 namespace nb = nanobind;
 using moe_jax::fast::FastSchedule;
@@ -22,6 +24,8 @@ namespace {
 
 using Matrix = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig,
                            nb::device::cpu>;
+using Rows = nb::ndarray<const uint8_t, nb::ndim<3>, nb::c_contig,
+                         nb::device::cpu>;
 
 nb::object ToNumpy(moe_jax::fast::RowBuffer&& v, std::vector<size_t> shape) {
   int64_t* data = v.Release();
@@ -49,6 +53,11 @@ void CheckShape(const Matrix& t, int n, int m) {
     throw nb::value_error(
         "traffic must have shape (num_servers * gpus_per_server) squared");
   }
+}
+
+moe_jax::fast::StagedPlanner& Planner() {
+  static thread_local moe_jax::fast::StagedPlanner p;
+  return p;
 }
 
 FastScheduler& Scheduler() {
@@ -134,4 +143,65 @@ NB_MODULE(_fast, m) {
                                             static_cast<int>(x.shape(0)));
       },
       nb::arg("matrix"), "SpreadOut time of a square int64 matrix.");
+  m.def(
+      "plan",
+      [](Matrix traffic, int num_servers, int gpus_per_server) {
+        CheckShape(traffic, num_servers, gpus_per_server);
+        std::string err;
+        moe_jax::fast::StagedPlanner& p = Planner();
+        {
+          nb::gil_scoped_release release;
+          // Row/column sums bound nothing here: no buffers yet.
+          err = p.Build(traffic.data(), num_servers, gpus_per_server,
+                        INT64_MAX, INT64_MAX);
+        }
+        if (!err.empty()) throw nb::value_error(err.c_str());
+        const moe_jax::fast::ExecutionPlan& plan = p.plan();
+        std::vector<int64_t> ops(plan.ops), used(plan.workspace_used);
+        nb::dict d;
+        d["ops"] = ToNumpy(std::move(ops),
+                           {static_cast<size_t>(plan.num_ops()),
+                            size_t{moe_jax::fast::kOpCols}});
+        d["num_phases"] = plan.num_phases;
+        const size_t g = used.size();
+        d["workspace_used"] = ToNumpy(std::move(used), {g});
+        return d;
+      },
+      nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
+      "Execution plan of the FAST schedule (see xla_ffi/fast/plan.h): dict "
+      "with ops int64[K, 11], num_phases and workspace_used int64[G].");
+  m.def(
+      "simulate_execution",
+      [](Matrix traffic, int num_servers, int gpus_per_server, Rows x,
+         int64_t rows_out, int64_t ws_rows) {
+        CheckShape(traffic, num_servers, gpus_per_server);
+        const size_t g = traffic.shape(0);
+        if (x.shape(0) != g) {
+          throw nb::value_error("x must have shape [G, rows_in, row_bytes]");
+        }
+        if (x.shape(2) < 1) throw nb::value_error("row_bytes must be >= 1");
+        if (rows_out < 0 || ws_rows < 0) {
+          throw nb::value_error("rows_out and ws_rows must be >= 0");
+        }
+        const int64_t rows_in = static_cast<int64_t>(x.shape(1));
+        const int64_t row_bytes = static_cast<int64_t>(x.shape(2));
+        std::vector<uint8_t> out(g * static_cast<size_t>(rows_out) * row_bytes);
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = moe_jax::fast::SimulateExecution(
+              traffic.data(), num_servers, gpus_per_server, x.data(), rows_in,
+              row_bytes, rows_out, ws_rows, out.data());
+        }
+        if (!err.empty()) throw nb::value_error(err.c_str());
+        return ToNumpy(std::move(out), {g, static_cast<size_t>(rows_out),
+                                        static_cast<size_t>(row_bytes)});
+      },
+      nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
+      nb::arg("x"), nb::arg("rows_out"), nb::arg("ws_rows"),
+      "Runs every rank's staged all-to-all program (issue.h, as the CUDA "
+      "custom call issues it) over an in-memory NCCL stand-in; x: uint8[G, "
+      "rows_in, row_bytes].  Returns out uint8[G, rows_out, row_bytes]; "
+      "raises ValueError on unmatched sends/receives, hazards or rows not "
+      "written exactly once.");
 }

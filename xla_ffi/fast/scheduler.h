@@ -28,6 +28,7 @@ namespace moe_jax::fast {
 class RowBuffer {
  public:
   int64_t* data() { return data_.get(); }
+  const int64_t* data() const { return data_.get(); }
   size_t size() const { return size_; }
   void clear() { size_ = 0; }
   // Pointer to k new, uninitialised slots at the end.

@@ -118,8 +118,7 @@ struct ChannelView {
   uint8_t* base[kMaxRanks] = {};
 };
 
-// Blocks each kernel launches: a function of the shape only, equal on every
-// rank (receivers count arrivals in sender blocks).
+// Blocks each kernel launches: a function of the shape only.
 int SendBlocks(const ChannelShape& s);
 int RecvBlocks(const ChannelShape& s);
 int CombineSendBlocks(const ChannelShape& s);

@@ -1,14 +1,15 @@
 // Kernels of the count-aware NVLink channel (nvlink_channel.h).
 //
-// Synchronization: a sender's blocks store rows into the peer's buffer,
-// then each block fences at system scope and adds 1 to the peer's arrival
-// counter for this rank. A receiver's thread 0 waits (acquire loads) until
-// the counter reaches blocks * (call index + 1), and the block barrier
-// orders the row reads after it; rows are read with L2-coherent loads.
-// After reading, each receiver block adds 1 to the sender's ack counter,
-// which the sender waits on before reusing that parity two calls later.
-// Call indices (epochs) live on the device: the last block of a call
-// advances its epoch, so graph replays need no host-side state.
+// Synchronization: every block of a sender stores its rows into the peer's
+// buffer, fences at system scope and counts itself done on a local tally;
+// the last block to finish then adds 1 to each peer's arrival counter for
+// this rank (one signal per call, however many blocks). A receiver's
+// thread 0 waits (acquire loads) until the counter reaches the call index
+// + 1, and the block barrier orders the row reads after it; rows are read
+// with L2-coherent loads. After reading, the receiver acknowledges the same
+// way, and the sender waits for that ack before reusing the parity two
+// calls later. Call indices (epochs) live on the device: the last block of a
+// call also advances its epoch, so graph replays need no host-side state.
 //
 // Dispatch moves each token once per destination rank (however many of its
 // picks live there) and an index entry per (token, pick); the receiver
@@ -76,15 +77,6 @@ __device__ void WaitForPeers(const ChannelView& ch, int64_t slot0, u64 target,
   __syncthreads();
 }
 
-// Adds 1 to counter slot0 + (this rank) on every rank, after this block's
-// stores (ordered by the barrier before it) are visible system-wide.
-__device__ __forceinline__ void SignalPeers(const ChannelView& ch, int64_t slot0) {
-  __threadfence_system();
-  for (int peer = 0; peer < ch.shape.num_ranks; ++peer) {
-    atomicAdd_system(CountersOf(ch, peer) + slot0 + ch.rank, 1ull);
-  }
-}
-
 // Reads this call's epoch (thread 0) into shared memory for the block.
 __device__ __forceinline__ u64 BlockEpoch(const ChannelView& ch, int call) {
   __shared__ u64 epoch;
@@ -96,17 +88,24 @@ __device__ __forceinline__ u64 BlockEpoch(const ChannelView& ch, int call) {
   return epoch;
 }
 
-// Called by every block after its last use of the epoch: the last block to
-// finish advances it for the next call on this stream.
-__device__ __forceinline__ void FinishCall(const ChannelView& ch, int call) {
+// Every block calls this last. The last block of the call to finish, once
+// every block's stores are visible system-wide, adds 1 to counter
+// signal_slot0 + (this rank) on every rank, then advances the call's epoch
+// for the next call on this stream.
+__device__ __forceinline__ void FinishCall(const ChannelView& ch, int call,
+                                           int64_t signal_slot0) {
   __syncthreads();
   if (threadIdx.x == 0) {
     u64* c = CountersOf(ch, ch.rank);
     const int p = ch.shape.num_ranks;
-    __threadfence();
+    __threadfence_system();
     const u64 done = atomicAdd(c + Counters::Tally(p, call), 1ull);
     if (done == gridDim.x - 1) {
+      __threadfence_system();
       atomicExch(c + Counters::Tally(p, call), 0ull);
+      for (int peer = 0; peer < p; ++peer) {
+        atomicAdd_system(CountersOf(ch, peer) + signal_slot0 + ch.rank, 1ull);
+      }
       atomicAdd(c + Counters::Epoch(p, call), 1ull);
     }
   }
@@ -391,13 +390,13 @@ QuantizeKernel(ChannelView ch, const uint16_t* __restrict__ x) {
 __global__ void __launch_bounds__(kThreads)
 SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
            const int32_t* __restrict__ expert_ids, const int32_t* __restrict__ slot_pos,
-           const int32_t* __restrict__ send_counts, int recv_blocks) {
+           const int32_t* __restrict__ send_counts) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
   const u64 epoch = BlockEpoch(ch, kDispatchSend);
   const int parity = static_cast<int>(epoch & 1);
   if (epoch >= 2) WaitForPeers(ch, Counters::DispatchAck(p, 0),
-                               u64(recv_blocks) * (epoch - 1), "the dispatch ack");
+                               epoch - 1, "the dispatch ack");
   if (blockIdx.x == 0) {
     const int64_t ints = s.HeaderInts();
     for (int d = 0; d < p; ++d) {
@@ -423,9 +422,7 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
              *src = reinterpret_cast<const uint4*>(rows + int64_t{r / p} * row_bytes);
              *dst = reinterpret_cast<uint4*>(DispatchRow(ch, d, parity, ch.rank, row));
            });
-  __syncthreads();
-  if (threadIdx.x == 0) SignalPeers(ch, Counters::DispatchArrive(p, 0));
-  FinishCall(ch, kDispatchSend);
+  FinishCall(ch, kDispatchSend, Counters::DispatchArrive(p, 0));
 }
 
 //===----------------------------------------------------------------------===//
@@ -434,15 +431,14 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
 
 __global__ void __launch_bounds__(kThreads)
 RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
-           int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts,
-           int send_blocks) {
+           int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
   __shared__ RecvTables tb;
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
   const u64 epoch = BlockEpoch(ch, kDispatchRecv);
   const int parity = static_cast<int>(epoch & 1);
   WaitForPeers(ch, Counters::DispatchArrive(p, 0),
-               u64(send_blocks) * (epoch + 1), "the dispatched rows");
+               epoch + 1, "the dispatched rows");
   for (int i = threadIdx.x; i < p * num_local; i += blockDim.x) {
     const int src = i / num_local, e = i % num_local;
     tb.count[src][e] = __ldcg(Header(ch, ch.rank, parity, src) + ch.rank * num_local + e);
@@ -472,9 +468,7 @@ RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ sca
              *dst = reinterpret_cast<uint4*>(rows + int64_t{r} * value_bytes);
              *tail = reinterpret_cast<uint4*>(scales + int64_t{r} * scale_bytes);
            });
-  __syncthreads();
-  if (threadIdx.x == 0) SignalPeers(ch, Counters::DispatchAck(p, 0));
-  FinishCall(ch, kDispatchRecv);
+  FinishCall(ch, kDispatchRecv, Counters::DispatchAck(p, 0));
 }
 
 //===----------------------------------------------------------------------===//
@@ -483,7 +477,7 @@ RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ sca
 
 __global__ void __launch_bounds__(kThreads)
 CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
-                  const int32_t* __restrict__ all_counts, int recv_blocks) {
+                  const int32_t* __restrict__ all_counts) {
   __shared__ RecvTables tb;
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
@@ -495,7 +489,7 @@ CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
   }
   BuildTables(tb, p, num_local);
   if (epoch >= 2) WaitForPeers(ch, Counters::CombineAck(p, 0),
-                               u64(recv_blocks) * (epoch - 1), "the combine ack");
+                               epoch - 1, "the combine ack");
   const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   CopyRows(tb.expert_offset[num_local], vecs, vecs,
            [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
@@ -505,16 +499,14 @@ CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
              *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes);
              *dst = reinterpret_cast<uint4*>(CombineRow(ch, to, parity, ch.rank, pos));
            });
-  __syncthreads();
-  if (threadIdx.x == 0) SignalPeers(ch, Counters::CombineArrive(p, 0));
-  FinishCall(ch, kCombineSend);
+  FinishCall(ch, kCombineSend, Counters::CombineArrive(p, 0));
 }
 
 template <typename E>
 __global__ void __launch_bounds__(kThreads)
 CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
                   const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
-                  typename E::Storage* __restrict__ out, int send_blocks) {
+                  typename E::Storage* __restrict__ out) {
   using S = typename E::Storage;
   constexpr int kPer = 16 / sizeof(S);
   const ChannelShape& s = ch.shape;
@@ -522,7 +514,7 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
   const u64 epoch = BlockEpoch(ch, kCombineRecv);
   const int parity = static_cast<int>(epoch & 1);
   WaitForPeers(ch, Counters::CombineArrive(p, 0),
-               u64(send_blocks) * (epoch + 1), "the returned rows");
+               epoch + 1, "the returned rows");
   const int64_t vecs = s.row_bytes / 16;
   const int64_t total = s.tokens * vecs;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
@@ -554,9 +546,7 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
     for (int q = 0; q < kPer; ++q) o.elem[q] = E::FromFloat(acc[q]);
     reinterpret_cast<uint4*>(out + t * (s.row_bytes / sizeof(S)))[v] = o.vec;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) SignalPeers(ch, Counters::CombineAck(p, 0));
-  FinishCall(ch, kCombineRecv);
+  FinishCall(ch, kCombineRecv, Counters::CombineAck(p, 0));
 }
 
 int Blocks(int64_t units, int per_block) {
@@ -600,7 +590,7 @@ cudaError_t LaunchDispatchSend(const ChannelView& ch, const void* x, const int32
     rows = ch.base[ch.rank] + s.QuantizedOffset();
   }
   SendKernel<<<SendBlocks(s), kThreads, 0, stream>>>(ch, rows, expert_ids, slot_pos,
-                                                     send_counts, RecvBlocks(s));
+                                                     send_counts);
   return cudaGetLastError();
 }
 
@@ -609,14 +599,14 @@ cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, float* scales,
                                cudaStream_t stream) {
   RecvKernel<<<RecvBlocks(ch.shape), kThreads, 0, stream>>>(
       ch, static_cast<uint8_t*>(rows), reinterpret_cast<uint8_t*>(scales), group_sizes,
-      all_counts, SendBlocks(ch.shape));
+      all_counts);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y, const int32_t* all_counts,
                               cudaStream_t stream) {
   CombineSendKernel<<<CombineSendBlocks(ch.shape), kThreads, 0, stream>>>(
-      ch, static_cast<const uint8_t*>(y), all_counts, CombineRecvBlocks(ch.shape));
+      ch, static_cast<const uint8_t*>(y), all_counts);
   return cudaGetLastError();
 }
 
@@ -624,19 +614,18 @@ cudaError_t LaunchCombineRecv(const ChannelView& ch, ElemType type, const int32_
                               const int32_t* slot_pos, const float* weights, void* out,
                               cudaStream_t stream) {
   const int blocks = CombineRecvBlocks(ch.shape);
-  const int send_blocks = CombineSendBlocks(ch.shape);
   switch (type) {
     case ElemType::kF32:
       CombineRecvKernel<F32><<<blocks, kThreads, 0, stream>>>(
-          ch, expert_ids, slot_pos, weights, static_cast<float*>(out), send_blocks);
+          ch, expert_ids, slot_pos, weights, static_cast<float*>(out));
       break;
     case ElemType::kBF16:
       CombineRecvKernel<BF16><<<blocks, kThreads, 0, stream>>>(
-          ch, expert_ids, slot_pos, weights, static_cast<unsigned short*>(out), send_blocks);
+          ch, expert_ids, slot_pos, weights, static_cast<unsigned short*>(out));
       break;
     case ElemType::kF16:
       CombineRecvKernel<F16><<<blocks, kThreads, 0, stream>>>(
-          ch, expert_ids, slot_pos, weights, static_cast<unsigned short*>(out), send_blocks);
+          ch, expert_ids, slot_pos, weights, static_cast<unsigned short*>(out));
       break;
   }
   return cudaGetLastError();

@@ -27,6 +27,9 @@ def _rows(paths):
             data = json.load(f)
         sources.append((path, data["meta"]))
         timing = data["meta"].get("timing", "host")
+        unroll = data["meta"].get("loop_unroll", 1)
+        if timing == "loop" and unroll > 1:
+            timing = f"loop_x{unroll}"
         for r in data["results"]:
             if "error" in r:
                 continue
@@ -38,6 +41,13 @@ TIMINGS = {"loop": "device-side: all steps in one jitted loop, mean per step",
            "host": "host-timed: each step around a synchronous call"}
 
 
+def _timing_text(timing: str) -> str:
+    if timing.startswith("loop_x"):
+        return (f"device-side: all steps in one jitted loop, {timing[len('loop_x'):]} steps "
+                "per loop iteration, mean per step")
+    return TIMINGS[timing]
+
+
 def _cell(r):
     return "—" if r is None else f"{r['mean_us']:.0f}"
 
@@ -46,12 +56,13 @@ def summarize(paths) -> str:
     rows, sources = _rows(paths)
     tokens = sorted({k[2] for k in rows})
     out = []
-    for timing, phase, title in [(t, p, n) for t in ("loop", "host")
+    unrolled = sorted({k[0] for k in rows if k[0].startswith("loop_x")})
+    for timing, phase, title in [(t, p, n) for t in (*unrolled, "loop", "host")
                                  for p, n in (("dc", "dispatch + combine"),
                                               ("layer", "whole layer"))]:
         if not any(k[0] == timing and k[1] == phase for k in rows):
             continue
-        out += [f"Mean {title} latency, microseconds per step, {TIMINGS[timing]} "
+        out += [f"Mean {title} latency, microseconds per step, {_timing_text(timing)} "
                 "(cap_and_spill at q=0.99):", "",
                 "| T/GPU | " + " | ".join(m for m, _ in METHODS)
                 + " | max_counts / cap_and_spill:lax | ragged / cap_and_spill:lax"

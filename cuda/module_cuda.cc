@@ -10,6 +10,7 @@
 #ifdef MOE_JAX_WITH_NCCL
 #include <nanobind/stl/string.h>
 
+#include "fast_staged_all_to_all.h"
 #include "nccl_all_to_all.h"
 #include "nccl_loader.h"
 #endif
@@ -47,6 +48,12 @@ NB_MODULE(_ffi_cuda, m) {
         stages["execute"] =
             nb::capsule(reinterpret_cast<void*>(MoeJaxNcclAllToAllExecute));
         d["moe_jax_nccl_all_to_all"] = stages;
+        nb::dict fast_stages;
+        fast_stages["prepare"] = nb::capsule(
+            reinterpret_cast<void*>(MoeJaxFastStagedAllToAllPrepare));
+        fast_stages["execute"] = nb::capsule(
+            reinterpret_cast<void*>(MoeJaxFastStagedAllToAllExecute));
+        d["moe_jax_fast_staged_all_to_all"] = fast_stages;
 #endif
         return d;
       },

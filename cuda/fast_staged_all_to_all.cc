@@ -1,0 +1,455 @@
+// moe_jax_fast_staged_all_to_all on CUDA: a ragged all-to-all moved along
+// the FAST schedule (xla_ffi/fast) with NCCL send/recv on XLA's own
+// communicator (FFI collectives extension, as moe_jax_nccl_all_to_all).
+//
+//   operands  x: [R, ...] any whole-byte dtype, rows grouped by destination
+//             traffic: s32[P, P], rows rank s sends to rank d (the same on
+//             every rank; row sums <= R, column sums <= R_out)
+//   results   out: [R_out, ...] x's dtype, rows grouped by source, zero past
+//             the received total
+//             workspace: [W, ...] x's dtype, relayed rows (scratch)
+//   attrs     replica_groups: i64[G * P] (flattened ids), group_size = P,
+//             communication_id: i64, num_servers, gpus_per_server (n * M = P)
+//
+// Prepare stage: validates the attributes and requests the clique. Execute
+// stage (host work every call, hence NOT command-buffer compatible):
+//   1. validates operands and results;
+//   2. gets the communicator and this rank (its NCCL rank = position in the
+//      replica group);
+//   3. copies `traffic` to the host and synchronizes XLA's stream;
+//   4. runs the C++ FAST scheduler and execution planner (the same plan on
+//      every rank, checked as a whole so every rank takes the same
+//      decision) and extracts this rank's program;
+//   5. zeroes out[recv_total:] and issues every phase: local rows with
+//      cudaMemcpyAsync, then all of the phase's ncclSend/ncclRecv in one
+//      ncclGroupStart/ncclGroupEnd, on XLA's stream (xla_ffi/fast/issue.h,
+//      the code the CPU simulation tests).
+// Every CUDA and NCCL return code becomes an ffi::Error with its text.
+#include "fast_staged_all_to_all.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <sched.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "collectives_ext.h"
+#include "ffi_messages.h"
+#include "nccl_loader.h"
+#include "xla/ffi/api/collectives_api.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/fast/issue.h"
+#include "xla_ffi/fast/plan.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_jax::cuda {
+namespace {
+
+constexpr std::string_view kName = "moe_jax_fast_staged_all_to_all";
+
+std::string Prefixed(std::string_view what) {
+  return std::string(kName) + ": " + std::string(what);
+}
+
+//===----------------------------------------------------------------------===//
+// Attributes
+//===----------------------------------------------------------------------===//
+
+// Checks the attributes; on success fills `groups` with views into
+// `replica_groups` (valid for this call).
+ffi::Error CheckAttrs(ffi::Span<const int64_t> replica_groups,
+                      int64_t group_size, int64_t num_servers,
+                      int64_t gpus_per_server,
+                      std::vector<XLA_FFI_ReplicaGroup>* groups) {
+  if (group_size < 1 || group_size > INT_MAX) {
+    return BadAttr(kName, "group_size", group_size, "in [1, 2^31)");
+  }
+  if (num_servers < 1 || gpus_per_server < 1 ||
+      num_servers * gpus_per_server != group_size) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attributes `num_servers` x `gpus_per_server` must equal group_size = " +
+        std::to_string(group_size) + ", got " + std::to_string(num_servers) +
+        " x " + std::to_string(gpus_per_server)));
+  }
+  const size_t n = replica_groups.size();
+  const size_t gs = static_cast<size_t>(group_size);
+  if (n == 0 || n % gs != 0) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attribute `replica_groups` must hold G >= 1 groups of group_size = " +
+        std::to_string(group_size) + " ids, flattened; got " +
+        std::to_string(n) + " ids"));
+  }
+  std::vector<int64_t> sorted(replica_groups.begin(), replica_groups.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.front() < 0 ||
+      std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    return ffi::Error::InvalidArgument(Prefixed(
+        "attribute `replica_groups` must hold distinct non-negative ids"));
+  }
+  groups->clear();
+  for (size_t g = 0; g < n; g += gs) {
+    groups->push_back(XLA_FFI_ReplicaGroup{replica_groups.begin() + g, gs});
+  }
+  return ffi::Error::Success();
+}
+
+//===----------------------------------------------------------------------===//
+// Operands
+//===----------------------------------------------------------------------===//
+
+// Elements the FFI API describes as whole bytes (sub-byte types are packed
+// on GPU, so element_count * ByteWidth would miscount them).
+bool ByteSized(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::INVALID:
+    case ffi::DataType::TOKEN:
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return false;
+    default:
+      return ffi::ByteWidth(t) > 0;
+  }
+}
+
+// Same dtype and trailing dimensions as x (the row shape).
+bool SameRows(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
+  const auto dx = x.dimensions(), dy = y.dimensions();
+  return x.element_type() == y.element_type() && dx.size() == dy.size() &&
+         std::equal(dx.begin() + 1, dx.end(), dy.begin() + 1);
+}
+
+struct Sizes {
+  int64_t rows_in = 0, rows_out = 0, ws_rows = 0;
+  size_t row_bytes = 0;
+};
+
+ffi::Error CheckBuffers(const ffi::AnyBuffer& x, const ffi::AnyBuffer& traffic,
+                        const ffi::AnyBuffer& out, const ffi::AnyBuffer& ws,
+                        int64_t group_size, Sizes* s) {
+  const auto dx = x.dimensions();
+  if (!ByteSized(x.element_type()) || dx.size() < 1 || dx[0] < 1) {
+    return Bad(kName, "x", "[R >= 1, ...] of a whole-byte dtype", x);
+  }
+  if (traffic.element_type() != ffi::DataType::S32 ||
+      !HasDims(traffic, {group_size, group_size})) {
+    return Bad(kName, "traffic", Shape("s32", {group_size, group_size}),
+               traffic);
+  }
+  if (!SameRows(x, out) || out.dimensions()[0] < 1) {
+    return BadResult(kName, "out", "[R_out >= 1, ...] with x's dtype and row "
+                     "shape (x is " + Describe(x) + ")", out);
+  }
+  if (!SameRows(x, ws)) {
+    return BadResult(kName, "workspace", "[W, ...] with x's dtype and row "
+                     "shape (x is " + Describe(x) + ")", ws);
+  }
+  s->rows_in = dx[0];
+  s->rows_out = out.dimensions()[0];
+  s->ws_rows = ws.dimensions()[0];
+  s->row_bytes = x.size_bytes() / static_cast<size_t>(s->rows_in);
+  if (s->row_bytes > 0 && (x.untyped_data() == nullptr ||
+                           out.untyped_data() == nullptr ||
+                           traffic.untyped_data() == nullptr ||
+                           (s->ws_rows > 0 && ws.untyped_data() == nullptr))) {
+    return ffi::Error::InvalidArgument(
+        Prefixed("an operand or result has a null data pointer"));
+  }
+  return ffi::Error::Success();
+}
+
+// Every op of the plan (all ranks: the decision must be the same
+// everywhere, or the ranks that go on would wait for the ones that stop)
+// stays inside buffers of these sizes.
+ffi::Error CheckPlan(const fast::ExecutionPlan& plan, const Sizes& s) {
+  for (int64_t g = 0; g < static_cast<int64_t>(plan.workspace_used.size()); ++g) {
+    if (plan.workspace_used[g] > s.ws_rows) {
+      return ffi::Error::InvalidArgument(Prefixed(
+          "rank " + std::to_string(g) + " needs " +
+          std::to_string(plan.workspace_used[g]) +
+          " workspace rows, the workspace result has " +
+          std::to_string(s.ws_rows)));
+    }
+  }
+  for (int64_t i = 0; i < plan.num_ops(); ++i) {
+    const int64_t* op = plan.ops.data() + i * fast::kOpCols;
+    const int64_t rows = op[fast::kOpRows];
+    const int64_t src_size =
+        op[fast::kOpSrcBuf] == fast::kBufWs ? s.ws_rows : s.rows_in;
+    const int64_t dst_size =
+        op[fast::kOpDstBuf] == fast::kBufWs ? s.ws_rows : s.rows_out;
+    if (rows < 1 || op[fast::kOpSrcRow] < 0 ||
+        op[fast::kOpSrcRow] + rows > src_size || op[fast::kOpDstRow] < 0 ||
+        op[fast::kOpDstRow] + rows > dst_size) {
+      return ffi::Error::Internal(Prefixed(
+          "internal error: plan op " + std::to_string(i) +
+          " falls outside the buffers"));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+//===----------------------------------------------------------------------===//
+// Transport: NCCL and CUDA on XLA's stream (issue.h's interface)
+//===----------------------------------------------------------------------===//
+
+std::string CudaText(const char* call, cudaError_t err) {
+  return std::string(kName) + ": " + call + " failed: " + cudaGetErrorName(err) +
+         ": " + cudaGetErrorString(err);
+}
+
+std::string NcclText(const NcclApi& nccl, const char* call, ncclResult_t r,
+                     ncclComm_t comm) {
+  // The loader's message names moe_jax_nccl_all_to_all; name this call.
+  std::string msg = NcclErrorMessage(nccl, call, r, comm);
+  constexpr std::string_view kLoaderPrefix = "moe_jax_nccl_all_to_all: ";
+  if (msg.compare(0, kLoaderPrefix.size(), kLoaderPrefix) == 0) {
+    msg.erase(0, kLoaderPrefix.size());
+  }
+  return Prefixed(msg);
+}
+
+// Non-blocking communicators may answer ncclInProgress: wait until the
+// operation is enqueued (what a blocking communicator returns after).
+ncclResult_t Settle(const NcclApi& nccl, ncclComm_t comm, ncclResult_t r) {
+  while (r == ncclInProgress) {
+    sched_yield();
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = nccl.CommGetAsyncError(comm, &state);
+    r = q != ncclSuccess ? q : state;
+  }
+  return r;
+}
+
+class NcclTransport {
+ public:
+  NcclTransport(const NcclApi& nccl, ncclComm_t comm, cudaStream_t stream,
+                const void* x, void* out, void* ws, size_t row_bytes)
+      : nccl_(nccl), comm_(comm), stream_(stream),
+        x_(static_cast<const char*>(x)), out_(static_cast<char*>(out)),
+        ws_(static_cast<char*>(ws)), row_bytes_(row_bytes) {}
+
+  std::string Zero(int64_t row, int64_t rows) {
+    const cudaError_t err =
+        cudaMemsetAsync(out_ + Bytes(row), 0, Bytes(rows), stream_);
+    return err == cudaSuccess ? std::string() : CudaText("cudaMemsetAsync", err);
+  }
+
+  std::string Copy(const fast::RankOp& op) {
+    const cudaError_t err = cudaMemcpyAsync(
+        Dst(op), Src(op), Bytes(op.rows), cudaMemcpyDeviceToDevice, stream_);
+    return err == cudaSuccess ? std::string() : CudaText("cudaMemcpyAsync", err);
+  }
+
+  std::string GroupStart() {
+    const ncclResult_t r = nccl_.GroupStart();
+    return r == ncclSuccess ? std::string()
+                            : NcclText(nccl_, "ncclGroupStart", r, comm_);
+  }
+
+  std::string Send(const fast::RankOp& op) {
+    const ncclResult_t r = nccl_.Send(Src(op), Bytes(op.rows), ncclUint8,
+                                      op.peer, comm_, stream_);
+    return r == ncclSuccess ? std::string() : NcclText(nccl_, "ncclSend", r, comm_);
+  }
+
+  std::string Recv(const fast::RankOp& op) {
+    const ncclResult_t r = nccl_.Recv(Dst(op), Bytes(op.rows), ncclUint8,
+                                      op.peer, comm_, stream_);
+    return r == ncclSuccess ? std::string() : NcclText(nccl_, "ncclRecv", r, comm_);
+  }
+
+  std::string GroupEnd() {
+    const ncclResult_t r = Settle(nccl_, comm_, nccl_.GroupEnd());
+    return r == ncclSuccess ? std::string()
+                            : NcclText(nccl_, "ncclGroupEnd", r, comm_);
+  }
+
+ private:
+  size_t Bytes(int64_t rows) const {
+    return static_cast<size_t>(rows) * row_bytes_;
+  }
+  const char* Src(const fast::RankOp& op) const {
+    return (op.src_buf == fast::kBufWs ? ws_ : x_) + Bytes(op.src_row);
+  }
+  char* Dst(const fast::RankOp& op) const {
+    return (op.dst_buf == fast::kBufWs ? ws_ : out_) + Bytes(op.dst_row);
+  }
+
+  const NcclApi& nccl_;
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  const char* x_;
+  char* out_;
+  char* ws_;
+  size_t row_bytes_;
+};
+
+// Per-thread state reused between calls (XLA runs each device's program on
+// its own thread): the planner's buffers, the host copy of the traffic and
+// this rank's program.
+struct ThreadState {
+  fast::StagedPlanner planner;
+  std::vector<int32_t> traffic;
+  fast::RankProgram program;
+};
+
+ThreadState& State() {
+  static thread_local ThreadState state;
+  return state;
+}
+
+//===----------------------------------------------------------------------===//
+// Stages
+//===----------------------------------------------------------------------===//
+
+ffi::Error PrepareImpl(CollectivesContext collectives,
+                       ffi::Span<const int64_t> replica_groups,
+                       int64_t group_size, int64_t communication_id,
+                       int64_t num_servers, int64_t gpus_per_server) {
+  std::vector<XLA_FFI_ReplicaGroup> groups;
+  if (ffi::Error err = CheckAttrs(replica_groups, group_size, num_servers,
+                                  gpus_per_server, &groups);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = collectives.RequestCommunicator(
+          ffi::GroupMode::kFlattenedId, groups.data(), groups.size(),
+          communication_id);
+      err.failure()) {
+    return ffi::Error(*err.errc(), Prefixed("requesting the communicator: " +
+                                            err.message()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
+                       ffi::AnyBuffer x, ffi::AnyBuffer traffic,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> ws,
+                       ffi::Span<const int64_t> replica_groups,
+                       int64_t group_size, int64_t communication_id,
+                       int64_t num_servers, int64_t gpus_per_server) {
+  std::vector<XLA_FFI_ReplicaGroup> groups;
+  if (ffi::Error err = CheckAttrs(replica_groups, group_size, num_servers,
+                                  gpus_per_server, &groups);
+      err.failure()) {
+    return err;
+  }
+  Sizes sizes;
+  if (ffi::Error err = CheckBuffers(x, traffic, *out, *ws, group_size, &sizes);
+      err.failure()) {
+    return err;
+  }
+
+  std::string load_error;
+  const NcclApi* nccl = LoadNccl(&load_error);
+  if (nccl == nullptr) return ffi::Error::Internal(Prefixed(load_error));
+  ffi::ErrorOr<XLA_FFI_Communicator*> handle = collectives.GetCommunicator(
+      ffi::GroupMode::kFlattenedId, groups.data(), groups.size(),
+      communication_id);
+  if (!handle.has_value()) {
+    return ffi::Error(*handle.error().errc(),
+                      Prefixed("getting the communicator: " +
+                               handle.error().message()));
+  }
+  ncclComm_t comm = reinterpret_cast<ncclComm_t>(*handle);
+  int count = 0;
+  if (ncclResult_t r = nccl->CommCount(comm, &count); r != ncclSuccess) {
+    return ffi::Error::Internal(NcclText(*nccl, "ncclCommCount", r, comm));
+  }
+  if (count != group_size) {
+    return ffi::Error::Internal(Prefixed(
+        "XLA's communicator has " + std::to_string(count) +
+        " ranks but group_size is " + std::to_string(group_size)));
+  }
+  int rank = -1;
+  if (ncclResult_t r = nccl->CommUserRank(comm, &rank); r != ncclSuccess) {
+    return ffi::Error::Internal(NcclText(*nccl, "ncclCommUserRank", r, comm));
+  }
+  if (rank < 0 || rank >= count) {
+    return ffi::Error::Internal(Prefixed("ncclCommUserRank gave rank " +
+                                         std::to_string(rank) + " of " +
+                                         std::to_string(count)));
+  }
+
+  // The traffic matrix, on the host (waits for everything before it on
+  // XLA's stream, the all-gather of the counts included).
+  ThreadState& st = State();
+  st.traffic.resize(static_cast<size_t>(group_size) * group_size);
+  if (cudaError_t err = cudaMemcpyAsync(
+          st.traffic.data(), traffic.untyped_data(),
+          st.traffic.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+      err != cudaSuccess) {
+    return ffi::Error::Internal(CudaText("cudaMemcpyAsync (traffic to host)", err));
+  }
+  if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
+    return ffi::Error::Internal(CudaText("cudaStreamSynchronize", err));
+  }
+
+  if (std::string err = st.planner.Build(
+          st.traffic.data(), static_cast<int>(num_servers),
+          static_cast<int>(gpus_per_server), sizes.rows_in, sizes.rows_out);
+      !err.empty()) {
+    return ffi::Error::InvalidArgument(Prefixed("operand `traffic`: " + err));
+  }
+  if (ffi::Error err = CheckPlan(st.planner.plan(), sizes); err.failure()) {
+    return err;
+  }
+  if (std::string err = st.planner.ForRank(rank, sizes.ws_rows, &st.program);
+      !err.empty()) {
+    return ffi::Error::Internal(Prefixed(err));
+  }
+  if (sizes.row_bytes == 0) return ffi::Error::Success();  // nothing to move
+
+  NcclTransport transport(*nccl, comm, stream, x.untyped_data(),
+                          out->untyped_data(), ws->untyped_data(),
+                          sizes.row_bytes);
+  if (std::string err = fast::IssueAll(st.program, sizes.rows_out, transport);
+      !err.empty()) {
+    return ffi::Error::Internal(err);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe_jax::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeJaxFastStagedAllToAllPrepare, moe_jax::cuda::PrepareImpl,
+    ffi::Ffi::BindPrepare()
+        .Ctx<ffi::Extension<moe_jax::cuda::Collectives>>()
+        .Attr<ffi::Span<const int64_t>>("replica_groups")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("communication_id")
+        .Attr<int64_t>("num_servers")
+        .Attr<int64_t>("gpus_per_server"));
+
+// No ffi::Traits::kCmdBufferCompatible: the execute stage reads device data
+// on the host and synchronizes the stream, so it must not be captured into
+// a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeJaxFastStagedAllToAllExecute, moe_jax::cuda::ExecuteImpl,
+    ffi::Ffi::BindExecute()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::Extension<moe_jax::cuda::Collectives>>()
+        .Arg<ffi::AnyBuffer>()          // x
+        .Arg<ffi::AnyBuffer>()          // traffic
+        .Ret<ffi::AnyBuffer>()          // out
+        .Ret<ffi::AnyBuffer>()          // workspace
+        .Attr<ffi::Span<const int64_t>>("replica_groups")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("communication_id")
+        .Attr<int64_t>("num_servers")
+        .Attr<int64_t>("gpus_per_server"));

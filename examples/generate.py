@@ -1,8 +1,10 @@
-"""Greedy generation with a small Mixtral-style MoE decoder on 8 CPU devices.
+"""Greedy generation with a small Mixtral-style MoE decoder, on CPU devices or GPUs.
 
-    python examples/generate.py [--strategy=cap_and_spill] [--ep=8] [--tokens=24]
-        [--variant=linen|nnx] [--record_traces=routing.jsonl]
+    python examples/generate.py [--strategy=cap_and_spill] [--transport=lax] [--ep=8]
+        [--tokens=24] [--variant=linen|nnx] [--record_traces=routing.jsonl]
         [--calibrate_from=routing.jsonl] [--checkpoint_dir=/tmp/moe_ckpt]
+        [--benchmark_steps=20 [--benchmark_methods=dense,ragged,cap_and_spill:custom_call]
+         [--benchmark_out=bench.json]] [--tokens_out=tokens.json]
 
 Builds the decoder (random weights, or restored from --checkpoint_dir; a
 directory without a checkpoint gets one written), generates --tokens tokens
@@ -11,7 +13,17 @@ then a scan over decode steps with a fixed-length KV cache), and prints the
 tokens, the dispatch counters and the time. For cap_and_spill, C and S come
 from --capacity/--spill_capacity, else from the trace in --calibrate_from,
 else from a trace recorded by a first (ragged) run of the same prompts.
-Every strategy and --ep size generates the same tokens.
+Every strategy, transport and --ep size generates the same tokens.
+
+With --benchmark_steps=N it instead times the compiled generation of every
+method in --benchmark_methods (compilation and --benchmark_warmup runs
+excluded, then N timed runs), checks that they all generate the same
+tokens, and prints a table of tokens/s and per-token latency (mean, p50,
+p99); --benchmark_out writes it as JSON.
+
+Devices: JAX_PLATFORMS picks the platform (default here: cpu, with 8 CPU
+devices unless XLA_FLAGS says otherwise); on GPUs run with
+JAX_PLATFORMS=cuda. Progress bars use tqdm when it is installed.
 """
 
 import os
@@ -19,6 +31,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -29,14 +42,22 @@ from flax import nnx  # noqa: E402
 
 import moe_jax as mj  # noqa: E402
 from moe_jax import checkpoint  # noqa: E402
+from moe_jax.config import STRATEGIES, TRANSPORTS  # noqa: E402
 from moe_jax.models import (DecoderConfig, MixtralLinen, MixtralNnx, init_params,  # noqa: E402
                             nnx_load_params)
-from moe_jax.models.generate import generate, pad_prompts  # noqa: E402
+from moe_jax.models.benchmark import format_table, time_generation  # noqa: E402
+from moe_jax.models.generate import generate, pad_prompts, prepare_generation  # noqa: E402
+from moe_jax.models.progress import Progress  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("strategy", "cap_and_spill", ["dense", "max_counts", "cap_and_spill", "ragged"],
-                  "MoE dispatch strategy.")
-flags.DEFINE_integer("ep", 8, "Expert-parallel ranks (CPU devices on the mesh axis 'ep').")
+flags.DEFINE_enum("strategy", "cap_and_spill", list(STRATEGIES), "MoE dispatch strategy.")
+flags.DEFINE_enum("transport", "lax", list(TRANSPORTS),
+                  "How buffers cross ranks (nvlink: GPUs of one process, strategies ragged "
+                  "and cap_and_spill).")
+flags.DEFINE_enum("kernel_impl", "custom_call", ["custom_call", "reference"],
+                  "Pack/combine as custom calls or their pure-JAX references.")
+flags.DEFINE_integer("ep", None, "Expert-parallel ranks (devices on the mesh axis 'ep'; "
+                     "default: all devices).")
 flags.DEFINE_integer("tokens", 24, "New tokens to generate per sequence.")
 flags.DEFINE_integer("batch", 8, "Prompts in the batch (a multiple of --ep).")
 flags.DEFINE_integer("prompt_len", 8, "Longest prompt; prompts get 1..prompt_len tokens.")
@@ -50,6 +71,15 @@ flags.DEFINE_integer("capacity", None, "C for cap_and_spill (overrides calibrati
 flags.DEFINE_integer("spill_capacity", None, "S for cap_and_spill (overrides calibration).")
 flags.DEFINE_string("checkpoint_dir", None, "Restore the parameters from this directory, "
                     "or save them there if it holds no checkpoint.")
+flags.DEFINE_string("tokens_out", None, "Write the generated tokens (and the run's "
+                    "settings) to this JSON file.")
+flags.DEFINE_integer("benchmark_steps", 0, "If > 0: time this many runs of the compiled "
+                     "generation for every method of --benchmark_methods.")
+flags.DEFINE_integer("benchmark_warmup", 2, "Untimed runs before the timed ones.")
+flags.DEFINE_list("benchmark_methods", ["dense", "max_counts", "cap_and_spill", "ragged"],
+                  "Methods to benchmark: STRATEGY or STRATEGY:TRANSPORT (default transport: "
+                  "--transport).")
+flags.DEFINE_string("benchmark_out", None, "Write the benchmark results to this JSON file.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
 flags.DEFINE_integer("vocab", 256, "Vocabulary size.")
 flags.DEFINE_integer("d_model", 64, "Model width.")
@@ -59,56 +89,40 @@ flags.DEFINE_integer("experts", 8, "Experts per MoE layer (a multiple of --ep)."
 flags.DEFINE_integer("top_k", 2, "Experts per token.")
 flags.DEFINE_integer("ffn", 128, "Width of each expert.")
 flags.DEFINE_enum("progress", "auto", ["auto", "on", "off"],
-                  "Progress bar per decode step (auto: on for runs of >= 64 tokens).")
+                  "Progress bars (auto: on a terminal, for >= 64 decode steps or >= 20 timed "
+                  "runs).")
 
 
-class Progress:
-    """A decode-step progress bar: tqdm when installed, else plain text on stderr."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.done = total, label, 0
-        try:
-            from tqdm import tqdm  # optional
-            self.bar = tqdm(total=total, desc=label, unit="step", leave=False)
-        except ImportError:
-            self.bar = None
-
-    def __call__(self, step) -> None:
-        step = int(step)
-        if step <= self.done:  # a step reported by more than one device
-            return
-        if self.bar is not None:
-            self.bar.update(step - self.done)
-        else:
-            width = 30
-            filled = width * step // self.total
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                             f"{step}/{self.total}")
-            if step == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        self.done = step
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+def say(*args) -> None:
+    print(*args, flush=True)
 
 
 def build_config(**changes) -> DecoderConfig:
-    return DecoderConfig.create(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model, num_heads=FLAGS.heads,
-                                num_layers=FLAGS.layers, num_experts=FLAGS.experts,
-                                top_k=FLAGS.top_k, ffn_size=FLAGS.ffn,
-                                max_len=FLAGS.prompt_len + FLAGS.tokens, **changes)
+    return DecoderConfig.create(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model,
+                                num_heads=FLAGS.heads, num_layers=FLAGS.layers,
+                                num_experts=FLAGS.experts, top_k=FLAGS.top_k,
+                                ffn_size=FLAGS.ffn, max_len=FLAGS.prompt_len + FLAGS.tokens,
+                                **changes)
+
+
+def show_progress(units: int, long: int) -> bool:
+    if FLAGS.progress == "off" or units < 1:
+        return False
+    return FLAGS.progress == "on" or (sys.stderr.isatty() and units >= long)
+
+
+def make_model(cfg, mesh, params):
+    """(model, params argument of generate) for the chosen Flax variant."""
+    if FLAGS.variant == "nnx":
+        return nnx_load_params(MixtralNnx(cfg, mesh=mesh, rngs=nnx.Rngs(0)), params), None
+    return MixtralLinen(cfg, mesh), params
 
 
 def run(cfg, mesh, params, prompts, record=False, label="generate"):
     """Generates with the chosen Flax variant; returns (result, seconds)."""
-    if FLAGS.variant == "nnx":
-        model, args = nnx_load_params(MixtralNnx(cfg, mesh=mesh, rngs=nnx.Rngs(0)), params), None
-    else:
-        model, args = MixtralLinen(cfg, mesh), params
-    show = FLAGS.progress == "on" or (FLAGS.progress == "auto" and FLAGS.tokens >= 64)
-    progress = Progress(FLAGS.tokens - 1, label) if show and FLAGS.tokens > 1 else None
+    model, args = make_model(cfg, mesh, params)
+    steps = FLAGS.tokens - 1
+    progress = Progress(steps, label) if show_progress(steps, 64) else None
     start = time.perf_counter()
     result = generate(model, args, *prompts, max_new_tokens=FLAGS.tokens, mesh=mesh,
                       record_traces=record, on_step=progress)
@@ -118,100 +132,237 @@ def run(cfg, mesh, params, prompts, record=False, label="generate"):
     return result, seconds
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
-    devices = jax.devices()
-    if FLAGS.ep > len(devices):
-        raise app.UsageError(f"--ep={FLAGS.ep} needs {FLAGS.ep} devices, found {len(devices)}")
-    if FLAGS.batch % FLAGS.ep:
-        raise app.UsageError(f"--batch={FLAGS.batch} must be a multiple of --ep={FLAGS.ep} "
-                             "(each decode step's tokens are split evenly over the ranks)")
-    if FLAGS.strategy != "dense" and FLAGS.experts % FLAGS.ep:
-        raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of --ep={FLAGS.ep}")
-    mesh = jax.make_mesh((FLAGS.ep,), ("ep",), devices=devices[:FLAGS.ep],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    print(f"moe_jax {mj.__version__}: {FLAGS.variant} decoder on {FLAGS.ep} of {len(devices)} "
-          f"{devices[0].platform} devices")
+def parse_method(method: str) -> tuple[str, str]:
+    """'strategy' or 'strategy:transport' -> (strategy, transport)."""
+    strategy, _, transport = method.partition(":")
+    transport = transport or FLAGS.transport
+    if strategy not in STRATEGIES:
+        raise app.UsageError(f"--benchmark_methods: unknown strategy {strategy!r} in "
+                             f"{method!r} (one of {STRATEGIES})")
+    if transport not in TRANSPORTS:
+        raise app.UsageError(f"--benchmark_methods: unknown transport {transport!r} in "
+                             f"{method!r} (one of {TRANSPORTS})")
+    return strategy, transport
 
-    # Parameters: restored, or random (and saved when a checkpoint dir is given).
-    base = build_config(strategy="ragged")
-    params = None
+
+def method_config(base: DecoderConfig, strategy: str, transport: str, capacities):
+    """The config of one (strategy, transport), with C and S for cap_and_spill."""
+    if transport == "nvlink" and strategy == "max_counts":
+        raise app.UsageError(f"transport 'nvlink' runs strategies ragged and cap_and_spill, "
+                             f"not {strategy!r}")
+    changes = dict(strategy=strategy, transport=transport)
+    if strategy == "cap_and_spill":
+        changes.update(capacity=capacities[0], spill_capacity=capacities[1])
+    return base.replace(**changes)
+
+
+def capacities(base, mesh, params, prompts, ep: int):
+    """(C, S, calibration report or None) for cap_and_spill."""
+    calib, source = None, None
+    if FLAGS.calibrate_from:
+        # Counted for `ep` ranks, whatever EP size the traces were recorded at.
+        traces = mj.load_jsonl(FLAGS.calibrate_from)
+        calib = mj.calibrate(traces, FLAGS.quantile, num_ranks=ep)
+        source = (f"{len(traces)} traces in {FLAGS.calibrate_from} (recorded at "
+                  f"{traces[0].num_ranks} ranks, counted for {ep})")
+    elif FLAGS.capacity is None or FLAGS.spill_capacity is None:
+        result, _ = run(base.replace(strategy="ragged"), mesh, params, prompts, record=True,
+                        label="calibration run")
+        calib, source = mj.calibrate(result.traces, FLAGS.quantile), \
+            f"{len(result.traces)} traces of a ragged calibration run"
+    capacity = FLAGS.capacity if FLAGS.capacity is not None else calib.capacity
+    spill = FLAGS.spill_capacity if FLAGS.spill_capacity is not None else calib.spill_capacity
+    report = None
+    if calib is not None:
+        say(f"calibrated at q={FLAGS.quantile} from {source}: C={calib.capacity} "
+            f"S={calib.spill_capacity} (per-peer counts: mean {calib.count_mean:.1f}, "
+            f"max {calib.count_max}; {calib.frac_steps_spill:.1%} of dispatches spill, "
+            f"{calib.frac_steps_fallback:.1%} need the fallback)")
+        report = dict(source=source, calibrate_from=FLAGS.calibrate_from,
+                      quantile=FLAGS.quantile, capacity=calib.capacity,
+                      spill_capacity=calib.spill_capacity, count_mean=calib.count_mean,
+                      count_max=calib.count_max, frac_steps_spill=calib.frac_steps_spill,
+                      frac_steps_fallback=calib.frac_steps_fallback)
+    return capacity, spill, report
+
+
+def stats_dict(stats) -> dict:
+    return {name: int(value) for name, value in stats._asdict().items()}
+
+
+def write_json(path: str, payload: dict) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=1)
+
+
+_TABLE = [("method", "method", "s"), ("C", "capacity", "d"), ("S", "spill_capacity", "d"),
+          ("compile s", "compile_s", ".2f"), ("tokens/s", "tokens_per_s", ".0f"),
+          ("ms/token mean", "token_latency_ms_mean", ".3f"),
+          ("p50", "token_latency_ms_p50", ".3f"), ("p99", "token_latency_ms_p99", ".3f"),
+          ("spilled rows", "spilled_rows", "d"), ("fallback calls", "fallback_steps", "d"),
+          ("same tokens", "same_tokens", "")]
+
+
+def benchmark(base, mesh, params, prompts, ep: int, setup: dict) -> dict:
+    """Times every method of --benchmark_methods; returns the JSON payload."""
+    methods = [parse_method(m) for m in FLAGS.benchmark_methods]
+    cs, calibration = (None, None, None), None
+    if any(s == "cap_and_spill" for s, _ in methods):
+        cs = capacities(base, mesh, params, prompts, ep)
+        calibration = cs[2] if cs[2] is not None else dict(
+            source="flags", capacity=cs[0], spill_capacity=cs[1])
+    runs = FLAGS.benchmark_steps
+    rows, reference = [], None
+    for strategy, transport in methods:
+        cfg = method_config(base, strategy, transport, cs)
+        name = strategy if strategy == "dense" else f"{strategy}:{transport}"
+        model, args = make_model(cfg, mesh, params)
+        prepared = prepare_generation(model, args, *prompts, max_new_tokens=FLAGS.tokens,
+                                      mesh=mesh)
+        progress = Progress(runs, name) if show_progress(runs, 20) else None
+        timing = time_generation(prepared, runs, FLAGS.benchmark_warmup, on_run=progress)
+        if progress is not None:
+            progress.close()
+        tokens = timing.result.tokens
+        reference = tokens if reference is None else reference
+        row = dict(method=name, strategy=strategy, transport=transport,
+                   kernel_impl=cfg.moe.kernel_impl, capacity=cfg.moe.capacity,
+                   spill_capacity=cfg.moe.spill_capacity, **timing.summary(),
+                   **stats_dict(timing.result.stats),
+                   same_tokens=bool(np.array_equal(tokens, reference)))
+        rows.append(row)
+        say(f"  {name}: {row['tokens_per_s']:.0f} tokens/s, "
+            f"{row['token_latency_ms_mean']:.3f} ms/token (compiled in {row['compile_s']:.1f} s)")
+    say(f"\n{runs} timed runs of {FLAGS.batch} x {FLAGS.tokens} new tokens per method "
+        f"(after {FLAGS.benchmark_warmup} warm-up runs; latency = run time / new tokens "
+        "per sequence):\n")
+    say(format_table(rows, _TABLE))
+    identical = all(r["same_tokens"] for r in rows)
+    say(f"\n{'PASS' if identical else 'FAIL'}: the {len(rows)} methods generate "
+        f"{'the same' if identical else 'different'} tokens")
+    return dict(setup=setup, calibration=calibration, methods=rows, tokens_identical=identical,
+                tokens=reference.tolist())
+
+
+def make_mesh():
+    devices = jax.devices()
+    ep = FLAGS.ep if FLAGS.ep is not None else len(devices)
+    if ep > len(devices):
+        raise app.UsageError(f"--ep={ep} needs {ep} devices, found {len(devices)}")
+    if FLAGS.batch % ep:
+        raise app.UsageError(f"--batch={FLAGS.batch} must be a multiple of --ep={ep} "
+                             "(each decode step's tokens are split evenly over the ranks)")
+    if FLAGS.experts % ep:
+        raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of --ep={ep}")
+    mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    return mesh, ep
+
+
+def load_params(base, mesh, ep):
+    """(config, params): restored from --checkpoint_dir, or random (and saved
+    there when the directory holds no checkpoint)."""
     if FLAGS.checkpoint_dir:
         saved = checkpoint.load_config(FLAGS.checkpoint_dir)
         if saved is not None:
-            base = saved.replace(strategy="ragged",
+            base = saved.replace(strategy="ragged", transport=base.moe.transport,
+                                 kernel_impl=base.moe.kernel_impl,
                                  max_len=max(saved.max_len, FLAGS.prompt_len + FLAGS.tokens))
             params = checkpoint.restore_params(FLAGS.checkpoint_dir, base, mesh)
-            print(f"restored parameters from {os.path.abspath(FLAGS.checkpoint_dir)} onto "
-                  f"{FLAGS.ep} ranks (saved config: d_model={saved.d_model}, "
-                  f"layers={saved.num_layers}, experts={saved.moe.num_experts})")
-    if params is None:
-        params = init_params(jax.random.key(FLAGS.seed), base)
-        if FLAGS.checkpoint_dir:
-            path = checkpoint.save_params(FLAGS.checkpoint_dir, params, base, mesh=mesh)
-            print(f"saved random parameters (seed {FLAGS.seed}) to {path}, expert weights "
-                  f"split over {FLAGS.ep} ranks")
-        else:
-            print(f"random parameters (seed {FLAGS.seed})")
-    print(f"model: vocab={base.vocab_size} d_model={base.d_model} heads={base.num_heads} "
-          f"layers={base.num_layers} experts={base.moe.num_experts} top_k={base.moe.top_k} "
-          f"ffn={base.moe.ffn_size} max_len={base.max_len}")
+            say(f"restored parameters from {os.path.abspath(FLAGS.checkpoint_dir)} onto "
+                f"{ep} ranks (saved config: d_model={saved.d_model}, "
+                f"layers={saved.num_layers}, experts={saved.moe.num_experts})")
+            return base, params
+    params = init_params(jax.random.key(FLAGS.seed), base)
+    if FLAGS.checkpoint_dir:
+        path = checkpoint.save_params(FLAGS.checkpoint_dir, params, base, mesh=mesh)
+        say(f"saved random parameters (seed {FLAGS.seed}) to {path}, expert weights "
+            f"split over {ep} ranks")
+    else:
+        say(f"random parameters (seed {FLAGS.seed})")
+    return base, params
 
+
+def make_prompts(vocab_size: int):
     rng = np.random.default_rng(FLAGS.seed)
     lengths = rng.integers(1, FLAGS.prompt_len + 1, size=FLAGS.batch)
-    prompts = pad_prompts([rng.integers(1, base.vocab_size, size=n).tolist() for n in lengths],
+    prompts = pad_prompts([rng.integers(1, vocab_size, size=n).tolist() for n in lengths],
                           length=FLAGS.prompt_len)
-    print(f"prompts: {FLAGS.batch} sequences of {lengths.min()}..{lengths.max()} tokens "
-          f"(left-padded to {FLAGS.prompt_len}); {FLAGS.tokens} new tokens each")
+    say(f"prompts: {FLAGS.batch} sequences of {lengths.min()}..{lengths.max()} tokens "
+        f"(left-padded to {FLAGS.prompt_len}); {FLAGS.tokens} new tokens each")
+    return prompts
 
-    changes = {}
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+    mesh, ep = make_mesh()
+    devices = jax.devices()
+    say(f"moe_jax {mj.__version__}: {FLAGS.variant} decoder on {ep} of {len(devices)} "
+        f"{devices[0].platform} devices")
+    base = build_config(strategy="ragged", transport=FLAGS.transport,
+                        kernel_impl=FLAGS.kernel_impl)
+    base, params = load_params(base, mesh, ep)
+    say(f"model: vocab={base.vocab_size} d_model={base.d_model} heads={base.num_heads} "
+        f"layers={base.num_layers} experts={base.moe.num_experts} top_k={base.moe.top_k} "
+        f"ffn={base.moe.ffn_size} max_len={base.max_len}")
+    prompts = make_prompts(base.vocab_size)
+    setup = dict(platform=devices[0].platform, devices=len(devices), ep=ep,
+                 variant=FLAGS.variant, batch=FLAGS.batch, prompt_len=FLAGS.prompt_len,
+                 new_tokens=FLAGS.tokens, seed=FLAGS.seed, vocab_size=base.vocab_size,
+                 d_model=base.d_model, num_heads=base.num_heads, num_layers=base.num_layers,
+                 num_experts=base.moe.num_experts, top_k=base.moe.top_k,
+                 ffn_size=base.moe.ffn_size)
+
+    if FLAGS.benchmark_steps > 0:
+        payload = benchmark(base, mesh, params, prompts, ep, setup)
+        if FLAGS.benchmark_out:
+            write_json(FLAGS.benchmark_out, payload)
+            say(f"wrote {FLAGS.benchmark_out}")
+        if FLAGS.tokens_out:
+            write_json(FLAGS.tokens_out, dict(setup, method="benchmark",
+                                              tokens=payload["tokens"]))
+        if not payload["tokens_identical"]:
+            sys.exit(1)
+        return
+
+    cs = (None, None, None)
     if FLAGS.strategy == "cap_and_spill":
-        calib, source = None, None
-        if FLAGS.calibrate_from:
-            # Counted for --ep ranks, whatever EP size the traces were recorded at.
-            traces = mj.load_jsonl(FLAGS.calibrate_from)
-            calib = mj.calibrate(traces, FLAGS.quantile, num_ranks=FLAGS.ep)
-            source = (f"{len(traces)} traces in {FLAGS.calibrate_from} (recorded at "
-                      f"{traces[0].num_ranks} ranks, counted for {FLAGS.ep})")
-        elif FLAGS.capacity is None or FLAGS.spill_capacity is None:
-            result, _ = run(base, mesh, params, prompts, record=True, label="calibration run")
-            calib, source = mj.calibrate(result.traces, FLAGS.quantile), \
-                f"{len(result.traces)} traces of a ragged calibration run"
-        capacity = FLAGS.capacity if FLAGS.capacity is not None else calib.capacity
-        spill = FLAGS.spill_capacity if FLAGS.spill_capacity is not None else calib.spill_capacity
-        if calib is not None:
-            print(f"calibrated at q={FLAGS.quantile} from {source}: C={calib.capacity} "
-                  f"S={calib.spill_capacity} (per-peer counts: mean {calib.count_mean:.1f}, "
-                  f"max {calib.count_max}; {calib.frac_steps_spill:.1%} of dispatches spill, "
-                  f"{calib.frac_steps_fallback:.1%} need the fallback)")
-        changes = dict(capacity=capacity, spill_capacity=spill)
-    cfg = base.replace(strategy=FLAGS.strategy, **changes)
-    print(f"strategy: {cfg.moe.strategy}" + (
-        f" (C={cfg.moe.capacity}, S={cfg.moe.spill_capacity})"
-        if cfg.moe.strategy == "cap_and_spill" else ""))
+        cs = capacities(base, mesh, params, prompts, ep)
+    cfg = method_config(base, FLAGS.strategy, FLAGS.transport, cs)
+    moe = cfg.moe
+    say(f"strategy: {moe.strategy}, transport {moe.transport}, kernels {moe.kernel_impl}"
+        + (f" (C={moe.capacity}, S={moe.spill_capacity})"
+           if moe.strategy == "cap_and_spill" else ""))
 
     result, first = run(cfg, mesh, params, prompts, record=bool(FLAGS.record_traces))
     again, second = run(cfg, mesh, params, prompts, record=bool(FLAGS.record_traces),
                         label="generate (compiled)")
     assert np.array_equal(again.tokens, result.tokens)
     new = FLAGS.batch * FLAGS.tokens
-    print(f"generated {new} tokens: {first:.2f} s with compilation, {second:.3f} s compiled "
-          f"({new / second:.0f} tokens/s)")
+    say(f"generated {new} tokens: {first:.2f} s with compilation, {second:.3f} s compiled "
+        f"({new / second:.0f} tokens/s)")
     for b in range(min(FLAGS.batch, 4)):
         prompt = prompts[0][b][prompts[1][b]].tolist()
-        print(f"  seq {b}: {prompt} -> {result.tokens[b].tolist()}")
+        say(f"  seq {b}: {prompt} -> {result.tokens[b].tolist()}")
     s = result.stats
-    print(f"dispatch over {cfg.num_layers} layers x {FLAGS.tokens} steps: rows {int(s.rows)}, "
-          f"largest peer stream {int(s.max_peer_rows)}, spilled rows {int(s.spilled_rows)} "
-          f"({int(s.spill_steps)} calls), fallback rows {int(s.overflow_rows)} "
-          f"({int(s.fallback_steps)} calls)")
+    say(f"dispatch over {cfg.num_layers} layers x {FLAGS.tokens} steps: rows {int(s.rows)}, "
+        f"largest peer stream {int(s.max_peer_rows)}, spilled rows {int(s.spilled_rows)} "
+        f"({int(s.spill_steps)} calls), fallback rows {int(s.overflow_rows)} "
+        f"({int(s.fallback_steps)} calls)")
+    if FLAGS.tokens_out:
+        write_json(FLAGS.tokens_out, dict(setup, strategy=moe.strategy, transport=moe.transport,
+                                          kernel_impl=moe.kernel_impl, capacity=moe.capacity,
+                                          spill_capacity=moe.spill_capacity,
+                                          stats=stats_dict(s), tokens=result.tokens.tolist()))
     if FLAGS.record_traces:
         mj.save_jsonl(result.traces, FLAGS.record_traces)
         calib = mj.calibrate(result.traces, FLAGS.quantile)
-        print(f"wrote {len(result.traces)} routing traces to {FLAGS.record_traces} "
-              f"(they calibrate to C={calib.capacity} S={calib.spill_capacity} at "
-              f"q={FLAGS.quantile})")
+        say(f"wrote {len(result.traces)} routing traces to {FLAGS.record_traces} "
+            f"(they calibrate to C={calib.capacity} S={calib.spill_capacity} at "
+            f"q={FLAGS.quantile})")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | 
       mesh: if given, params are first laid out on it (expert weights split
         over ``cfg.moe.expert_axis``), so each device writes its own slice.
       force: overwrite an existing checkpoint.
+    Under ``jax.distributed`` every process calls this (each writes the
+    shards it holds; process 0 writes the config).
     """
     directory = os.path.abspath(os.fspath(directory))
     params = nn.meta.unbox(params)
@@ -113,7 +115,7 @@ def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | 
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(directory, _PARAMS), params, force=force)
         ckptr.wait_until_finished()
-    if cfg is not None:
+    if cfg is not None and jax.process_index() == 0:
         with open(os.path.join(directory, _CONFIG), "w", encoding="utf-8") as f:
             json.dump(_config_json(cfg), f, indent=1, default=str)
     return directory

@@ -210,5 +210,18 @@ def test_generation_compiles_once_per_configuration(params, prompts):
     second = generate(MixtralLinen(BASE.replace(strategy="max_counts"), mesh_of(2)), params,
                       *other, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(second.tokens, np.roll(first.tokens, 1, axis=0))
-    run = _compiled(_LinenApply(model), model.cfg, NEW_TOKENS, False, None)
+    run = _compiled(_LinenApply(model), model.cfg, NEW_TOKENS, False, False)
+    assert run._cache_size() == 1
+
+
+def test_progress_reports_do_not_recompile(params, prompts):
+    from moe_jax.models.generate import _compiled, _LinenApply
+    model = MixtralLinen(BASE.replace(strategy="ragged"), mesh_of(2))
+    seen = []
+    for _ in range(2):  # a fresh callback each time, as a fresh progress bar would be
+        steps = []
+        generate(model, params, *prompts, max_new_tokens=NEW_TOKENS, on_step=steps.append)
+        seen.append(sorted(set(steps)))
+    assert seen == [list(range(1, NEW_TOKENS))] * 2
+    run = _compiled(_LinenApply(model), model.cfg, NEW_TOKENS, False, True)
     assert run._cache_size() == 1

@@ -27,15 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_jax.dispatch import DispatchStats
 from moe_jax.models.decoder import (DecoderConfig, MixtralLinen, MixtralNnx, ModelOutput,
                                     init_cache, linen_stats)
-from moe_jax.models.sharding import shard_params
+from moe_jax.models.sharding import replicate, shard_params, spans_processes, to_host
 from moe_jax.traces import RoutingTrace
 
-__all__ = ["GenerateResult", "generate", "pad_prompts", "routing_traces"]
+__all__ = ["GenerateResult", "PreparedGeneration", "check_multiprocess", "collect",
+           "execute", "generate", "pad_prompts", "prepare_generation", "routing_traces"]
 
 
 class GenerateResult(NamedTuple):
@@ -99,9 +99,20 @@ class _NnxApply:
         return isinstance(other, _NnxApply) and other.graphdef == self.graphdef
 
 
+# The host function that receives decode-step reports while a generation
+# runs. The compiled loop calls _report_step, not the caller's function, so
+# a fresh progress bar per call does not trigger a recompilation.
+_ON_STEP: list[Callable[[int], None] | None] = [None]
+
+
+def _report_step(step) -> None:
+    on_step = _ON_STEP[0]
+    if on_step is not None:
+        on_step(int(step))
+
+
 @functools.lru_cache(maxsize=64)
-def _compiled(apply, cfg: DecoderConfig, max_new_tokens: int, record: bool,
-              on_step: Callable[[int], None] | None):
+def _compiled(apply, cfg: DecoderConfig, max_new_tokens: int, record: bool, report: bool):
 
     def run(params, tokens, mask):
         batch, prompt_len = tokens.shape
@@ -121,8 +132,8 @@ def _compiled(apply, cfg: DecoderConfig, max_new_tokens: int, record: bool,
             o = apply(params, token[:, None], (prompt_lens + s)[:, None], cache,
                       prompt_len + s, kv_valid, record)
             nxt = jnp.argmax(o.logits[:, 0], axis=-1).astype(jnp.int32)
-            if on_step is not None:
-                jax.debug.callback(on_step, s + 1)
+            if report:
+                jax.debug.callback(_report_step, s + 1)
             return (params, o.cache, nxt, stats + o.stats), (nxt, o.expert_ids, o.gating)
 
         (_, _, _, stats), (rest, eids, gating) = jax.lax.scan(
@@ -155,32 +166,66 @@ def routing_traces(routing, batch: int, prompt_len: int, cfg: DecoderConfig,
     return traces
 
 
-def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, prompt_mask=None,
-             *, max_new_tokens: int, mesh: jax.sharding.Mesh | None = None,
-             record_traces: bool = False, trace_ranks: int | None = None,
-             on_step: Callable[[int], None] | None = None) -> GenerateResult:
-    """Greedy decoding of `max_new_tokens` tokens for a left-padded prompt batch.
+class PreparedGeneration(NamedTuple):
+    """A generation ready to run: ``run(*args)`` executes it on the device.
 
-    Args:
-      model: MixtralLinen (params: its canonical params) or MixtralNnx
-        (params: None, the model's own state is used).
-      params: see `model`.
-      prompt_tokens: [B, Lp] int, left-padded (see :func:`pad_prompts`).
-      prompt_mask: [B, Lp] bool, False on padding (default: no padding).
-      max_new_tokens: tokens to generate per sequence (Lp + max_new_tokens
-        <= cfg.max_len).
-      mesh: the expert-parallel mesh (default: the model's); parameters and
-        prompts are placed on it, expert weights split over the expert axis.
-        B must divide by the size of that axis (the MoE layer splits each
-        step's tokens evenly over it).
-      record_traces: also return the routing of every layer and step.
-      trace_ranks: num_ranks written into the traces (default: the expert
-        axis size, 1 without a mesh).
-      on_step: called on the host with the decode step number (1 ..
-        max_new_tokens - 1) as each step finishes (progress reporting).
-    Returns:
-      GenerateResult.
+    run: the jitted program (params, tokens [B, Lp], mask [B, Lp]) ->
+      (generated [B, T] int32, stats, routing or None); it also has
+      ``.lower(*args)`` for ahead-of-time compilation.
+    args: (params, tokens, mask), placed on the mesh.
+    cfg: the model's DecoderConfig; batch B, prompt_len Lp, max_new_tokens T.
+    trace_ranks: num_ranks written into recorded traces.
+    on_step: receives the decode-step reports during :func:`execute`.
     """
+
+    run: Callable
+    args: tuple
+    cfg: DecoderConfig
+    batch: int
+    prompt_len: int
+    max_new_tokens: int
+    record_traces: bool
+    trace_ranks: int
+    on_step: Callable[[int], None] | None = None
+
+
+def check_multiprocess(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None) -> None:
+    """Raises ValueError for a MoE configuration that cannot run on `mesh`
+    when the mesh spans several processes.
+
+    On CPU, moe_jax's all-to-all custom call is a rendezvous of the devices
+    of one process: ``transport="custom_call"`` cannot cross processes, nor
+    can the ragged strategy's all-to-all unless ``kernel_impl="reference"``
+    (XLA:CPU has no ``lax.ragged_all_to_all``; the reference builds it from
+    an all-gather). The NVLink transport needs the GPUs of one process.
+    """
+    if not spans_processes(mesh) or cfg.moe.strategy == "dense":
+        return
+    moe = cfg.moe
+    if moe.transport == "nvlink":
+        raise ValueError("transport: 'nvlink' needs the GPUs of one process; this mesh spans "
+                         "several processes (use 'lax' or 'custom_call')")
+    if mesh.devices.flat[0].platform != "cpu":
+        return
+    if moe.transport == "custom_call":
+        raise ValueError("transport: the CPU all-to-all custom call is an in-process "
+                         "rendezvous and cannot cross processes; use transport='lax' on a "
+                         "multi-process CPU mesh")
+    if moe.strategy == "ragged" and moe.kernel_impl != "reference":
+        raise ValueError("kernel_impl: on CPU the ragged strategy moves rows with the "
+                         "in-process all-to-all custom call, which cannot cross processes; "
+                         "use kernel_impl='reference' on a multi-process CPU mesh")
+
+
+def prepare_generation(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens,
+                       prompt_mask=None, *, max_new_tokens: int,
+                       mesh: jax.sharding.Mesh | None = None, record_traces: bool = False,
+                       trace_ranks: int | None = None,
+                       on_step: Callable[[int], None] | None = None) -> PreparedGeneration:
+    """Validates the arguments of :func:`generate`, places params and prompts
+    on the mesh and returns the jitted program with its arguments (for
+    timing it; :func:`collect` turns its outputs into a GenerateResult,
+    :func:`execute` does both)."""
     cfg: DecoderConfig = model.cfg
     model_mesh = model.mesh
     mesh = model_mesh if mesh is None else mesh
@@ -211,6 +256,7 @@ def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, promp
                          f"{ranks} ranks of mesh axis {axis!r}")
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise ValueError(f"prompt_tokens: ids must lie in [0, {cfg.vocab_size})")
+    check_multiprocess(cfg, mesh)
 
     if isinstance(model, MixtralLinen):
         apply = _LinenApply(model)
@@ -224,16 +270,65 @@ def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, promp
         raise ValueError(f"model: expected MixtralLinen or MixtralNnx, got "
                          f"{type(model).__name__}")
     params = shard_params(params, mesh, axis)
-    tokens_j, mask_j = jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)
-    if mesh is not None:
-        replicated = NamedSharding(mesh, P())
-        tokens_j, mask_j = jax.device_put((tokens_j, mask_j), replicated)
-    run = _compiled(apply, cfg, int(max_new_tokens), bool(record_traces), on_step)
-    generated, stats, routing = run(params, tokens_j, mask_j)
-    traces = None
-    if record_traces:
-        traces = routing_traces(routing, batch, prompt_len, cfg,
-                                ranks if trace_ranks is None else trace_ranks)
-    return GenerateResult(np.asarray(generated), DispatchStats(*map(np.asarray, stats)),
-                          traces)
+    inputs = (tokens.astype(np.int32), mask)
+    inputs = replicate(inputs, mesh) if mesh is not None else tuple(map(jnp.asarray, inputs))
+    run = _compiled(apply, cfg, int(max_new_tokens), bool(record_traces), on_step is not None)
+    return PreparedGeneration(run, (params, *inputs), cfg, batch, prompt_len,
+                              int(max_new_tokens), bool(record_traces),
+                              ranks if trace_ranks is None else trace_ranks, on_step)
 
+
+def collect(prepared: PreparedGeneration, outputs) -> GenerateResult:
+    """The GenerateResult of one ``prepared.run(*prepared.args)`` (on every
+    process when the mesh spans several: each gets the whole result)."""
+    generated, stats, routing = outputs
+    traces = None
+    if prepared.record_traces:
+        traces = routing_traces([to_host(a) for a in routing], prepared.batch,
+                                prepared.prompt_len, prepared.cfg, prepared.trace_ranks)
+    return GenerateResult(to_host(generated), DispatchStats(*map(to_host, stats)), traces)
+
+
+def execute(prepared: PreparedGeneration) -> GenerateResult:
+    """Runs a prepared generation (reporting steps to its on_step) and collects it."""
+    previous, _ON_STEP[0] = _ON_STEP[0], prepared.on_step
+    try:
+        return collect(prepared, prepared.run(*prepared.args))
+    finally:
+        _ON_STEP[0] = previous
+
+
+def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, prompt_mask=None,
+             *, max_new_tokens: int, mesh: jax.sharding.Mesh | None = None,
+             record_traces: bool = False, trace_ranks: int | None = None,
+             on_step: Callable[[int], None] | None = None) -> GenerateResult:
+    """Greedy decoding of `max_new_tokens` tokens for a left-padded prompt batch.
+
+    Args:
+      model: MixtralLinen (params: its canonical params) or MixtralNnx
+        (params: None, the model's own state is used).
+      params: see `model`.
+      prompt_tokens: [B, Lp] int, left-padded (see :func:`pad_prompts`).
+      prompt_mask: [B, Lp] bool, False on padding (default: no padding).
+      max_new_tokens: tokens to generate per sequence (Lp + max_new_tokens
+        <= cfg.max_len).
+      mesh: the expert-parallel mesh (default: the model's); parameters and
+        prompts are placed on it, expert weights split over the expert axis.
+        B must divide by the size of that axis (the MoE layer splits each
+        step's tokens evenly over it). The mesh may span the devices of
+        several processes (``jax.distributed``): every process then calls
+        this with the same params and prompts, and each gets the result
+        (see :func:`check_multiprocess` for what cannot cross processes).
+      record_traces: also return the routing of every layer and step.
+      trace_ranks: num_ranks written into the traces (default: the expert
+        axis size, 1 without a mesh).
+      on_step: called on the host with the decode step number (1 ..
+        max_new_tokens - 1) as each step finishes (progress reporting).
+    Returns:
+      GenerateResult.
+    """
+    prepared = prepare_generation(model, params, prompt_tokens, prompt_mask,
+                                  max_new_tokens=max_new_tokens, mesh=mesh,
+                                  record_traces=record_traces, trace_ranks=trace_ranks,
+                                  on_step=on_step)
+    return execute(prepared)

@@ -48,6 +48,10 @@ class MoEConfig:
         gives the ragged strategy the ragged all-to-all XLA:CPU lacks) or
         "nvlink" (count-aware peer-to-peer kernels that move only the real
         rows; GPUs of one process, strategies ragged and cap_and_spill).
+      dispatch_fp8: with transport "nvlink", send tokens as e4m3 with one
+        float32 scale per 128 elements (about half the bytes of bf16; see
+        moe_jax.nvlink) and dequantize them to bf16 for the experts; the
+        combine stays bf16. Needs dtype bfloat16 and hidden_size % 512 == 0.
       kernel_impl: "custom_call" runs pack/combine as XLA FFI custom calls,
         "reference" runs their pure-JAX references instead.
       expert_axis: name of the mesh axis experts are sharded over.
@@ -79,6 +83,7 @@ class MoEConfig:
     router_z_coef: float = 1e-3
     dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
+    dispatch_fp8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_size", "num_experts", "top_k"):
@@ -91,6 +96,12 @@ class MoEConfig:
                  f"must be one of {STRATEGIES}, got {self.strategy!r}")
         _require(self.transport in TRANSPORTS, "transport",
                  f"must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.dispatch_fp8:
+            _require(self.transport == "nvlink" and jnp.dtype(self.dtype) == jnp.bfloat16
+                     and self.hidden_size % 512 == 0, "dispatch_fp8",
+                     "needs transport='nvlink', dtype bfloat16 and hidden_size a multiple of "
+                     f"512, got transport={self.transport!r}, dtype={jnp.dtype(self.dtype)}, "
+                     f"hidden_size={self.hidden_size}")
         _require(self.kernel_impl in KERNEL_IMPLS, "kernel_impl",
                  f"must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
         _require(self.router in ROUTERS, "router",

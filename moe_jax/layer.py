@@ -147,7 +147,8 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
                          f"split evenly over the {num_ranks} ranks of axis {axis!r}")
     ctx = DispatchContext(axis, num_ranks, config.transport, config.kernel_impl,
-                          _platform(mesh), tuple(mesh.devices.flat))
+                          _platform(mesh), tuple(mesh.devices.flat),
+                          dispatch_fp8=config.dispatch_fp8)
     expert_spec = ExpertWeights(P(axis), P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
     delivered_spec = Delivered(P(axis), P(axis), P(axis)) if return_delivered else None

@@ -161,6 +161,25 @@ def test_layer_strategies_match_lax_transport():
 
 
 
+def test_layer_with_fp8_dispatch():
+    """MoEConfig.dispatch_fp8: the layer's experts see the tokens through e4m3
+    with per-128 scales; the output stays close to the bf16 dispatch."""
+    needs_gpus(4)
+    mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices("gpu")[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    outs = {}
+    for fp8 in (False, True):
+        config = mj.MoEConfig(hidden_size=512, ffn_size=128, num_experts=8, top_k=2,
+                              strategy="ragged", transport="nvlink", dispatch_fp8=fp8)
+        params = mj.init_moe_params(jax.random.key(0), config)
+        x = jax.random.normal(jax.random.key(1), (4 * 32, 512), jnp.bfloat16)
+        out, aux = jax.jit(lambda p, t: mj.moe_layer(p, t, config, mesh=mesh))(params, x)
+        outs[fp8] = np.asarray(out, np.float32)
+        assert int(aux.stats.rows) == 4 * 32 * 2
+    err = np.linalg.norm(outs[True] - outs[False]) / np.linalg.norm(outs[False])
+    assert 0 < err < 0.1, f"fp8 dispatch relative error {err}"
+
+
 def test_fused_calls_inside_a_loop():
     """Many calls of one channel in a fori_loop (XLA may unroll and reorder
     independent calls; the fused calls keep send and receive together)."""

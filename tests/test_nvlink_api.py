@@ -122,3 +122,13 @@ def test_quantize_e4m3_matches_numpy_reference():
     blocks = np.abs(np.asarray(x, np.float32)).reshape(16, -1, 128).max(-1, keepdims=True)
     err = np.abs(back - np.asarray(x, np.float32)).reshape(16, -1, 128)
     assert np.all(err <= blocks * 2.0 ** -4 + 1e-30)
+
+
+@pytest.mark.parametrize("changes", [dict(transport="lax"), dict(dtype=jnp.float32),
+                                     dict(hidden_size=256)])
+def test_dispatch_fp8_config_checks(changes):
+    kw = dict(hidden_size=512, ffn_size=64, num_experts=4, strategy="ragged",
+              transport="nvlink", dispatch_fp8=True)
+    assert mj.MoEConfig(**kw).dispatch_fp8
+    with pytest.raises(ValueError, match="MoEConfig.dispatch_fp8"):
+        mj.MoEConfig(**{**kw, **changes})

@@ -38,6 +38,8 @@ class DispatchContext:
     kernel_impl: "custom_call" or "reference" for pack / combine.
     platform: "cpu" or "gpu" (the platform the program is compiled for).
     mesh_devices: the mesh's devices in mesh order (needed by "nvlink").
+    dispatch_fp8: "nvlink" only: dispatch e4m3 rows with per-128 scales,
+      dequantized to the tokens' dtype before the expert function.
 
     On CPU every collective a strategy issues goes through this context,
     which chains them by data dependencies into one program order. XLA:CPU runs independent operations concurrently on a
@@ -51,6 +53,7 @@ class DispatchContext:
     kernel_impl: str = "custom_call"
     platform: str = "cpu"
     mesh_devices: tuple | None = None
+    dispatch_fp8: bool = False
     _chain: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property

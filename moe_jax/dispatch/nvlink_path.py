@@ -3,7 +3,8 @@
 One kernel pair moves exactly the rows that exist, so "ragged" and both
 passes of "cap_and_spill" become the same transfer: there is no padding,
 no spill window and no fallback to guard (the receive buffers hold the
-worst case). Capacity and spill only shape the stats, which say how many
+worst case). With ctx.dispatch_fp8 the rows travel as e4m3 with per-128
+scales and reach the expert function dequantized. Capacity and spill only shape the stats, which say how many
 rows a two-pass dispatch would have spilled.
 """
 
@@ -23,7 +24,10 @@ def nvlink_dispatch_combine(x, expert_ids, weights, expert_fn, *, strategy: str,
     """Returns (out [T, H] in x.dtype, DispatchStats, Delivered or None)."""
     ids = expert_ids.astype(jnp.int32)
     channel, got = nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank,
-                                   axis_name=ctx.axis_name, mesh_devices=ctx.mesh_devices)
+                                   axis_name=ctx.axis_name, mesh_devices=ctx.mesh_devices,
+                                   fp8=ctx.dispatch_fp8)
+    if ctx.dispatch_fp8:
+        got = got._replace(rows=nvlink.dequantize(got.rows, got.scales, x.dtype))
     y = expert_fn(got.rows, got.group_sizes).astype(x.dtype)
     out = nvlink.combine(channel, y, got, ids, weights, axis_name=ctx.axis_name)
     peer_counts = jnp.sum(got.all_counts, axis=2)

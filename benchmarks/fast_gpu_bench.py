@@ -182,7 +182,8 @@ def _plan_stats(mats, topo, rows, out_rows):
     ws.append(int(p.workspace_used.max(initial=0)))
   return dict(plan_phases_mean=float(np.mean(phases)),
               plan_workspace_rows_max=int(max(ws)),
-              workspace_rows_allocated=pl.workspace_rows(rows, out_rows, topo.num_servers))
+              workspace_rows_allocated=pl.workspace_rows(rows, out_rows, topo.num_servers,
+                                                                 topo.gpus_per_server))
 
 
 def _source_digest() -> str:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import custom_calls
 from moe_jax.fast import cpp, staged, workloads
 from moe_jax.fast import plan as pl
-from fast_testing import counts_matrix, mesh_of, run_and_check
+from fast_testing import counts_matrix, expected_out, mesh_of, run_and_check
 
 TOPOLOGIES = [(2, "1x2"), (2, "2x1"), (4, "1x4"), (4, "2x2"), (4, "4x1"),
               (8, "1x8"), (8, "2x4"), (8, "4x2")]
@@ -106,6 +106,34 @@ def test_round_trip_restores_the_rows():
     assert not back[r * rows + n:(r + 1) * rows].any()
 
 
+def _run_with_workspace(ranks, topology, counts, ws_rows, platform, rows=24):
+  mesh = mesh_of(ranks, platform)
+
+  def body(x, c):
+    return staged.staged_all_to_all(x, c[0], axis_name="ep", topology=topology,
+                                    out_rows=rows, workspace_rows=ws_rows,
+                                    platform=platform)[0]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")),
+                             out_specs=P("ep")))
+  x = np.arange(ranks * rows * 2, dtype=np.float32).reshape(ranks * rows, 2)
+  return np.asarray(fn(jnp.asarray(x), jnp.asarray(counts, jnp.int32))), x
+
+
+def test_workspace_rows_can_be_smaller_but_not_too_small():
+  rng = np.random.default_rng(9)
+  counts = pl.effective_traffic(workloads.zipf_matrix(rng, 4, 0.9, mean=5), 24, 24)
+  need = int(pl.execution_plan(counts, 2, 2).workspace_used.max())
+  assert 0 < need < pl.workspace_rows(24, 24, 2, 2)
+  with pytest.raises(Exception, match="workspace rows"):
+    _run_with_workspace(4, "2x2", counts, need - 1, "cpu")
+  # Afterwards (the failed run's effect tokens are replaced) the exact size
+  # works.
+  out, x = _run_with_workspace(4, "2x2", counts, need, "cpu")
+  want = expected_out(counts, x.reshape(4, 24, 2), 24)
+  np.testing.assert_array_equal(out.reshape(want.shape), want)
+
+
 def test_argument_errors():
   mesh = mesh_of(4, "cpu")
 
@@ -139,6 +167,8 @@ def test_argument_errors():
     trace(transport="lax")
   with pytest.raises(ValueError, match="argument 'planner'"):
     trace(planner="java")
+  with pytest.raises(ValueError, match="argument 'workspace_rows'"):
+    trace(workspace_rows=-1)
   with pytest.raises(ValueError, match="argument 'x'"):
     trace(x_shape=(0, 2))
   with pytest.raises(ValueError, match="argument 'axis_name'"):

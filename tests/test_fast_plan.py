@@ -40,7 +40,7 @@ def _run_ops(plan, traffic, x, rows_out, ws_rows):
 def test_plan_delivers_every_row_once(case):
   t, n, m, rows_in, rows_out = case
   plan = pl.execution_plan(t, n, m)
-  ws_rows = pl.workspace_rows(rows_in, rows_out, n)
+  ws_rows = pl.workspace_rows(rows_in, rows_out, n, m)
   assert (plan.workspace_used <= ws_rows).all()
   assert plan.num_phases <= pl.max_phases(n)
   assert (np.diff(plan.ops[:, pl.PHASE]) >= 0).all()
@@ -100,7 +100,7 @@ def test_phase_arrays_pair_up(case):
   t, n, m, rows_in, rows_out = case
   g = n * m
   plan = pl.execution_plan(t, n, m)
-  ws_rows = pl.workspace_rows(rows_in, rows_out, n)
+  ws_rows = pl.workspace_rows(rows_in, rows_out, n, m)
   phases = pl.max_phases(n)
   arrs = [ph.phase_arrays(plan, r, rows_in, rows_out, ws_rows, phases,
                           rows_in + ws_rows, rows_out + ws_rows) for r in range(g)]
@@ -140,7 +140,7 @@ def test_cpp_simulated_execution_is_exact(case, row_bytes):
   t, n, m, rows_in, rows_out = case
   rng = np.random.default_rng(int(t.sum()) + row_bytes)
   x = rng.integers(0, 256, (n * m, rows_in, row_bytes), dtype=np.uint8)
-  ws_rows = pl.workspace_rows(rows_in, rows_out, n)
+  ws_rows = pl.workspace_rows(rows_in, rows_out, n, m)
   out = cpp.simulate_execution(t, n, m, x, rows_out, ws_rows)
   np.testing.assert_array_equal(out, expected_out(t, x, rows_out))
 
@@ -168,6 +168,6 @@ def test_cpp_plan_at_scale():
   t = workloads.zipf_matrix(rng, 64, 0.9, mean=50)
   plan = cpp.execution_plan(t, 8, 8)
   rows_in, rows_out = int(t.sum(1).max()), int(t.sum(0).max())
-  ws_rows = pl.workspace_rows(rows_in, rows_out, 8)
+  ws_rows = pl.workspace_rows(rows_in, rows_out, 8, 8)
   assert (plan.workspace_used <= ws_rows).all()
   pl.check_plan(plan, t, rows_in, rows_out, ws_rows)

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_jax.fast import plan as pl
 from moe_jax.fast import staged, staged_ffi, topology as tp, workloads
-from fast_testing import counts_matrix, mesh_of, run_and_check
+from fast_testing import counts_matrix, expected_out, mesh_of, run_and_check
 from moe_testing import needs_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -114,6 +114,37 @@ def test_round_trip_in_a_loop_on_four_gpus():
     np.testing.assert_array_equal(back[r * rows:r * rows + n].view(np.uint16),
                                   xb[r * rows:r * rows + n].view(np.uint16))
     assert not back[r * rows + n:(r + 1) * rows].view(np.uint16).any()
+
+
+def test_too_small_workspace_fails_on_every_rank():
+  """A workspace smaller than the plan needs is an error on all four ranks
+  (decided on the whole plan), not a hang; the exact size works."""
+  needs_gpus(4)
+  _needs_custom_call()
+  rng = np.random.default_rng(9)
+  counts = pl.effective_traffic(workloads.zipf_matrix(rng, 4, 0.9, mean=5), 24, 24)
+  need = int(pl.execution_plan(counts, 2, 2).workspace_used.max())
+  with pytest.raises(Exception, match="workspace rows"):
+    _run_with_workspace(counts, need - 1)
+  # Afterwards (the failed run's effect tokens are replaced) the exact size
+  # works.
+  out, x = _run_with_workspace(counts, need)
+  want = expected_out(counts, x.reshape(4, 24, 2), 24)
+  np.testing.assert_array_equal(out.reshape(want.shape), want)
+
+
+def _run_with_workspace(counts, ws_rows, rows=24):
+  mesh = mesh_of(4, "gpu")
+
+  def body(x, c):
+    return staged.staged_all_to_all(x, c[0], axis_name="ep", topology="2x2",
+                                    out_rows=rows, workspace_rows=ws_rows,
+                                    impl="custom_call")[0]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")),
+                             out_specs=P("ep")))
+  x = np.arange(4 * rows * 2, dtype=np.float32).reshape(4 * rows, 2)
+  return np.asarray(fn(jnp.asarray(x), jnp.asarray(counts, jnp.int32))), x
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

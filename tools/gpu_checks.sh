@@ -5,6 +5,8 @@
 #
 # Writes build.log, topo.txt, gpu_tests.log (+ junit xml) and the benchmark's
 # JSON / markdown / CDF plot under OUT_DIR.
+#   tools/gpu_checks.sh OUT_DIR fast [fast_gpu_bench flags...]
+# runs the staged (FAST) all-to-all benchmark instead (JSON + markdown).
 set -uo pipefail
 out=${1:?usage: tools/gpu_checks.sh OUT_DIR [tests|bench|all] [flags...]}
 what=${2:-all}
@@ -38,5 +40,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   echo "== benchmark"
   "$PY" -m benchmarks.dispatch_bench --out="$out" "$@" 2>&1 | grep -v "^I1\|^W1" \
       | tee "$out/bench.log" | grep -E "^T=|bandwidth|FAILED|budget|x NVIDIA" | tail -80
+fi
+if [ "$what" = fast ]; then
+  echo "== FAST staged all-to-all benchmark"
+  "$PY" -m benchmarks.fast_gpu_bench --out="$out" "$@" 2>&1 | grep -v "^I1\|^W1" \
+      | tee "$out/fast_bench.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

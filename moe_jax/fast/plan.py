@@ -97,16 +97,18 @@ def effective_traffic(counts, rows_in: int, rows_out: int) -> np.ndarray:
   return np.minimum(cum, rows_out) - np.minimum(cum - c, rows_out)
 
 
-def workspace_rows(rows_in: int, rows_out: int, num_servers: int) -> int:
+def workspace_rows(rows_in: int, rows_out: int, num_servers: int,
+                   gpus_per_server: int) -> int:
   """Workspace rows that suffice on every GPU for any traffic that fits.
 
   With every row sum <= rows_in and every column sum <= rows_out, GPU l of
   server a receives at most ceil(D[a, b] / M) balancing units per server b
   (sum over b <= rows_in + n - 1), and as the scale-out peer of server b at
   most ceil(D[a, b] / M) units from each source server a (sum over a <=
-  rows_out + n - 1).  A single server needs none.
+  rows_out + n - 1).  One server (no scale-out) or one GPU per server (no
+  balancing; the peer is the destination) needs none.
   """
-  if num_servers <= 1:
+  if num_servers <= 1 or gpus_per_server <= 1:
     return 0
   return int(rows_in) + int(rows_out) + 2 * (int(num_servers) - 1)
 

@@ -147,6 +147,7 @@ def staged_all_to_all(x, send_counts, *, axis_name: str,
                       topology: Topology | str | None = None,
                       out_rows: int | None = None, impl: str = "auto",
                       transport: str = "auto", planner: str = "auto",
+                      workspace_rows: int | None = None,
                       platform: str | None = None):
   """All-to-all(v) of row ranges along the FAST schedule (inside shard_map).
 
@@ -164,6 +165,10 @@ def staged_all_to_all(x, send_counts, *, axis_name: str,
     transport: of the callback path: "auto" (GPU "lax", CPU "custom_call"
       when built, else "reference"), "lax", "custom_call" or "reference".
     planner: of the callback path: "auto" (C++ when built), "cpp", "python".
+    workspace_rows: static rows of the relay workspace (each rank, x's row
+      shape and dtype).  Default: ``plan.workspace_rows``, enough for any
+      counts; a smaller value saves memory and makes a call whose plan
+      needs more fail on every rank alike (an error, not a hang).
     platform: "cpu" or "gpu" (default: jax.default_backend()).
   Returns:
     out: [out_rows, ...] x.dtype: received rows grouped by source rank in
@@ -185,7 +190,12 @@ def staged_all_to_all(x, send_counts, *, axis_name: str,
   recv_counts = _recv_counts(traffic, axis_name)
   if impl == "reference":
     return _direct(x, traffic, axis_name, out_rows), recv_counts
-  ws_rows = pl.workspace_rows(rows_in, out_rows, topology.num_servers)
+  ws_rows = pl.workspace_rows(rows_in, out_rows, topology.num_servers,
+                              topology.gpus_per_server)
+  if workspace_rows is not None:
+    if not isinstance(workspace_rows, (int, np.integer)) or workspace_rows < 0:
+      _fail("workspace_rows", f"must be a non-negative int, got {workspace_rows!r}")
+    ws_rows = int(workspace_rows)
   kw = dict(axis_name=axis_name, topology=topology, out_rows=out_rows,
             ws_rows=ws_rows)
   if impl == "custom_call":

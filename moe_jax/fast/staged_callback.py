@@ -58,6 +58,12 @@ def host_phase_arrays(traffic, rank, *, num_servers: int,
   g = t.shape[0]
   with _lock:
     plan = _cached_plan(t.tobytes(), g, num_servers, gpus_per_server, planner)
+  # Decided on the whole plan, so every rank fails alike (none is left
+  # waiting in a collective for one that stopped).
+  need = int(plan.workspace_used.max(initial=0))
+  if need > ws_rows:
+    raise ValueError(f"staged_all_to_all: this traffic needs {need} workspace "
+                     f"rows on some rank, workspace_rows is {ws_rows}")
   arrs = ph.phase_arrays(plan, int(rank), rows_in, rows_out, ws_rows, phases,
                          send_cap, recv_cap)
   return arrs.as_tuple()

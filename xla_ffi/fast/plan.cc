@@ -4,16 +4,6 @@
 
 namespace moe_jax::fast {
 
-int64_t WorkspaceRows(int64_t rows_in, int64_t rows_out, int num_servers) {
-  if (num_servers <= 1) return 0;
-  return rows_in + rows_out + 2 * (static_cast<int64_t>(num_servers) - 1);
-}
-
-int MaxPhases(int num_servers) {
-  if (num_servers <= 1) return 1;
-  return num_servers * num_servers - 2 * num_servers + 4;
-}
-
 void ExecutionPlanner::Add(uint64_t key, const Segment& s) {
   std::vector<Segment>& segs = hold_[key];
   auto it = std::lower_bound(

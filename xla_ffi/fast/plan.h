@@ -45,13 +45,6 @@ struct ExecutionPlan {
   }
 };
 
-// Workspace rows that suffice on every GPU when every row sum of the
-// traffic is <= rows_in and every column sum <= rows_out (plan.py says why).
-int64_t WorkspaceRows(int64_t rows_in, int64_t rows_out, int num_servers);
-
-// Upper bound of ExecutionPlan::num_phases on num_servers servers.
-int MaxPhases(int num_servers);
-
 class ExecutionPlanner {
  public:
   // traffic: row-major int64[G * G] (the one `schedule` was built from with

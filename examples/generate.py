@@ -24,6 +24,16 @@ p99); --benchmark_out writes it as JSON.
 Devices: JAX_PLATFORMS picks the platform (default here: cpu, with 8 CPU
 devices unless XLA_FLAGS says otherwise); on GPUs run with
 JAX_PLATFORMS=cuda. Progress bars use tqdm when it is installed.
+
+Multi-process (jax.distributed): start one copy per process with
+--coordinator=HOST:PORT --num_processes=N --process_id=I (on a GPU host also
+--local_device_ids=I for one GPU per process), or let examples/launch.py
+start them. The mesh spans every process's devices; each process builds the
+same inputs and gets the whole result; process 0 prints and writes the
+files. On CPU the processes talk through gloo, and moe_jax's CPU all-to-all
+custom call (an in-process rendezvous) cannot cross processes: use
+--transport=lax there; the ragged strategy then runs its all-to-all as the
+pure-JAX reference (--kernel_impl=auto picks it).
 """
 
 import os
@@ -46,7 +56,10 @@ from moe_jax.config import STRATEGIES, TRANSPORTS  # noqa: E402
 from moe_jax.models import (DecoderConfig, MixtralLinen, MixtralNnx, init_params,  # noqa: E402
                             nnx_load_params)
 from moe_jax.models.benchmark import format_table, time_generation  # noqa: E402
-from moe_jax.models.generate import generate, pad_prompts, prepare_generation  # noqa: E402
+from moe_jax.models.distributed import initialize  # noqa: E402
+from moe_jax.models.generate import (check_multiprocess, generate, pad_prompts,  # noqa: E402
+                                     prepare_generation)
+from moe_jax.models.sharding import spans_processes  # noqa: E402
 from moe_jax.models.progress import Progress  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -54,8 +67,9 @@ flags.DEFINE_enum("strategy", "cap_and_spill", list(STRATEGIES), "MoE dispatch s
 flags.DEFINE_enum("transport", "lax", list(TRANSPORTS),
                   "How buffers cross ranks (nvlink: GPUs of one process, strategies ragged "
                   "and cap_and_spill).")
-flags.DEFINE_enum("kernel_impl", "custom_call", ["custom_call", "reference"],
-                  "Pack/combine as custom calls or their pure-JAX references.")
+flags.DEFINE_enum("kernel_impl", "auto", ["auto", "custom_call", "reference"],
+                  "Pack/combine as custom calls or their pure-JAX references (auto: "
+                  "custom_call, except for the ragged strategy on a multi-process CPU mesh).")
 flags.DEFINE_integer("ep", None, "Expert-parallel ranks (devices on the mesh axis 'ep'; "
                      "default: all devices).")
 flags.DEFINE_integer("tokens", 24, "New tokens to generate per sequence.")
@@ -72,7 +86,8 @@ flags.DEFINE_integer("spill_capacity", None, "S for cap_and_spill (overrides cal
 flags.DEFINE_string("checkpoint_dir", None, "Restore the parameters from this directory, "
                     "or save them there if it holds no checkpoint.")
 flags.DEFINE_string("tokens_out", None, "Write the generated tokens (and the run's "
-                    "settings) to this JSON file.")
+                    "settings) to this JSON file (written by process 0; with '{process}' in "
+                    "the path, by every process, named by its index).")
 flags.DEFINE_integer("benchmark_steps", 0, "If > 0: time this many runs of the compiled "
                      "generation for every method of --benchmark_methods.")
 flags.DEFINE_integer("benchmark_warmup", 2, "Untimed runs before the timed ones.")
@@ -88,13 +103,21 @@ flags.DEFINE_integer("layers", 2, "Decoder blocks.")
 flags.DEFINE_integer("experts", 8, "Experts per MoE layer (a multiple of --ep).")
 flags.DEFINE_integer("top_k", 2, "Experts per token.")
 flags.DEFINE_integer("ffn", 128, "Width of each expert.")
+flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0: run as one process of a "
+                    "jax.distributed run (with --num_processes and --process_id).")
+flags.DEFINE_integer("num_processes", 1, "Processes of the jax.distributed run.")
+flags.DEFINE_integer("process_id", 0, "This process's index in [0, --num_processes).")
+flags.DEFINE_list("local_device_ids", None, "GPUs of this process (e.g. its process id for "
+                  "one GPU per process; default: every visible one).")
 flags.DEFINE_enum("progress", "auto", ["auto", "on", "off"],
                   "Progress bars (auto: on a terminal, for >= 64 decode steps or >= 20 timed "
                   "runs).")
 
 
 def say(*args) -> None:
-    print(*args, flush=True)
+    """Prints on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
 
 
 def build_config(**changes) -> DecoderConfig:
@@ -106,7 +129,7 @@ def build_config(**changes) -> DecoderConfig:
 
 
 def show_progress(units: int, long: int) -> bool:
-    if FLAGS.progress == "off" or units < 1:
+    if FLAGS.progress == "off" or units < 1 or jax.process_index() != 0:
         return False
     return FLAGS.progress == "on" or (sys.stderr.isatty() and units >= long)
 
@@ -145,15 +168,33 @@ def parse_method(method: str) -> tuple[str, str]:
     return strategy, transport
 
 
-def method_config(base: DecoderConfig, strategy: str, transport: str, capacities):
+def kernel_impl(strategy: str, mesh) -> str:
+    """--kernel_impl, with "auto" resolved for `strategy` on `mesh`."""
+    if FLAGS.kernel_impl != "auto":
+        return FLAGS.kernel_impl
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    # The ragged strategy's CPU all-to-all is a custom call unless the
+    # reference runs; the custom call cannot cross processes.
+    return "reference" if strategy == "ragged" and cpu and spans_processes(mesh) \
+        else "custom_call"
+
+
+def method_config(base: DecoderConfig, strategy: str, transport: str, capacities, mesh):
     """The config of one (strategy, transport), with C and S for cap_and_spill."""
     if transport == "nvlink" and strategy == "max_counts":
         raise app.UsageError(f"transport 'nvlink' runs strategies ragged and cap_and_spill, "
                              f"not {strategy!r}")
-    changes = dict(strategy=strategy, transport=transport)
+    changes = dict(strategy=strategy, transport=transport,
+                   kernel_impl=kernel_impl(strategy, mesh))
     if strategy == "cap_and_spill":
         changes.update(capacity=capacities[0], spill_capacity=capacities[1])
-    return base.replace(**changes)
+    cfg = base.replace(**changes)
+    try:
+        check_multiprocess(cfg, mesh)
+    except ValueError as e:
+        raise app.UsageError(f"{strategy}:{transport} on {jax.process_count()} processes: "
+                             f"{e}") from None
+    return cfg
 
 
 def capacities(base, mesh, params, prompts, ep: int):
@@ -166,8 +207,8 @@ def capacities(base, mesh, params, prompts, ep: int):
         source = (f"{len(traces)} traces in {FLAGS.calibrate_from} (recorded at "
                   f"{traces[0].num_ranks} ranks, counted for {ep})")
     elif FLAGS.capacity is None or FLAGS.spill_capacity is None:
-        result, _ = run(base.replace(strategy="ragged"), mesh, params, prompts, record=True,
-                        label="calibration run")
+        cfg = method_config(base, "ragged", FLAGS.transport, None, mesh)
+        result, _ = run(cfg, mesh, params, prompts, record=True, label="calibration run")
         calib, source = mj.calibrate(result.traces, FLAGS.quantile), \
             f"{len(result.traces)} traces of a ragged calibration run"
     capacity = FLAGS.capacity if FLAGS.capacity is not None else calib.capacity
@@ -190,14 +231,18 @@ def stats_dict(stats) -> dict:
     return {name: int(value) for name, value in stats._asdict().items()}
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload: dict, every_process: bool = False) -> None:
+    """Writes `payload` (on process 0 only, unless every_process)."""
+    if jax.process_index() != 0 and not every_process:
+        return
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1)
 
 
-_TABLE = [("method", "method", "s"), ("C", "capacity", "d"), ("S", "spill_capacity", "d"),
+_TABLE = [("method", "method", "s"), ("kernels", "kernel_impl", "s"),
+          ("C", "capacity", "d"), ("S", "spill_capacity", "d"),
           ("compile s", "compile_s", ".2f"), ("tokens/s", "tokens_per_s", ".0f"),
           ("ms/token mean", "token_latency_ms_mean", ".3f"),
           ("p50", "token_latency_ms_p50", ".3f"), ("p99", "token_latency_ms_p99", ".3f"),
@@ -216,7 +261,7 @@ def benchmark(base, mesh, params, prompts, ep: int, setup: dict) -> dict:
     runs = FLAGS.benchmark_steps
     rows, reference = [], None
     for strategy, transport in methods:
-        cfg = method_config(base, strategy, transport, cs)
+        cfg = method_config(base, strategy, transport, cs, mesh)
         name = strategy if strategy == "dense" else f"{strategy}:{transport}"
         model, args = make_model(cfg, mesh, params)
         prepared = prepare_generation(model, args, *prompts, max_new_tokens=FLAGS.tokens,
@@ -251,6 +296,9 @@ def make_mesh():
     ep = FLAGS.ep if FLAGS.ep is not None else len(devices)
     if ep > len(devices):
         raise app.UsageError(f"--ep={ep} needs {ep} devices, found {len(devices)}")
+    if jax.process_count() > 1 and ep != len(devices):
+        raise app.UsageError(f"--ep={ep}: a multi-process run puts all {len(devices)} devices "
+                             "of its processes on the mesh")
     if FLAGS.batch % ep:
         raise app.UsageError(f"--batch={FLAGS.batch} must be a multiple of --ep={ep} "
                              "(each decode step's tokens are split evenly over the ranks)")
@@ -268,7 +316,6 @@ def load_params(base, mesh, ep):
         saved = checkpoint.load_config(FLAGS.checkpoint_dir)
         if saved is not None:
             base = saved.replace(strategy="ragged", transport=base.moe.transport,
-                                 kernel_impl=base.moe.kernel_impl,
                                  max_len=max(saved.max_len, FLAGS.prompt_len + FLAGS.tokens))
             params = checkpoint.restore_params(FLAGS.checkpoint_dir, base, mesh)
             say(f"restored parameters from {os.path.abspath(FLAGS.checkpoint_dir)} onto "
@@ -295,21 +342,51 @@ def make_prompts(vocab_size: int):
     return prompts
 
 
+def tokens_path(path: str) -> str | None:
+    """--tokens_out for this process: "{process}" in it becomes the process
+    index (every process writes its own file); without it process 0 writes."""
+    if "{process}" in path:
+        return path.replace("{process}", str(jax.process_index()))
+    return path if jax.process_index() == 0 else None
+
+
+def write_tokens(payload: dict) -> None:
+    path = tokens_path(FLAGS.tokens_out) if FLAGS.tokens_out else None
+    if path is not None:
+        write_json(path, dict(payload, process_id=jax.process_index()), every_process=True)
+
+
+def start_processes() -> None:
+    """Joins the jax.distributed run the flags describe (if any)."""
+    if FLAGS.coordinator is None:
+        if FLAGS.num_processes != 1:
+            raise app.UsageError("--num_processes > 1 needs --coordinator")
+        return
+    ids = None if FLAGS.local_device_ids is None else [int(i) for i in FLAGS.local_device_ids]
+    try:
+        initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id, ids)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+    start_processes()
     mesh, ep = make_mesh()
     devices = jax.devices()
+    procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
+             if jax.process_count() > 1 else "")
     say(f"moe_jax {mj.__version__}: {FLAGS.variant} decoder on {ep} of {len(devices)} "
-        f"{devices[0].platform} devices")
-    base = build_config(strategy="ragged", transport=FLAGS.transport,
-                        kernel_impl=FLAGS.kernel_impl)
+        f"{devices[0].platform} devices{procs}")
+    base = build_config(strategy="ragged", transport=FLAGS.transport)
     base, params = load_params(base, mesh, ep)
     say(f"model: vocab={base.vocab_size} d_model={base.d_model} heads={base.num_heads} "
         f"layers={base.num_layers} experts={base.moe.num_experts} top_k={base.moe.top_k} "
         f"ffn={base.moe.ffn_size} max_len={base.max_len}")
     prompts = make_prompts(base.vocab_size)
     setup = dict(platform=devices[0].platform, devices=len(devices), ep=ep,
+                 num_processes=jax.process_count(),
                  variant=FLAGS.variant, batch=FLAGS.batch, prompt_len=FLAGS.prompt_len,
                  new_tokens=FLAGS.tokens, seed=FLAGS.seed, vocab_size=base.vocab_size,
                  d_model=base.d_model, num_heads=base.num_heads, num_layers=base.num_layers,
@@ -321,9 +398,7 @@ def main(argv):
         if FLAGS.benchmark_out:
             write_json(FLAGS.benchmark_out, payload)
             say(f"wrote {FLAGS.benchmark_out}")
-        if FLAGS.tokens_out:
-            write_json(FLAGS.tokens_out, dict(setup, method="benchmark",
-                                              tokens=payload["tokens"]))
+        write_tokens(dict(setup, method="benchmark", tokens=payload["tokens"]))
         if not payload["tokens_identical"]:
             sys.exit(1)
         return
@@ -331,7 +406,7 @@ def main(argv):
     cs = (None, None, None)
     if FLAGS.strategy == "cap_and_spill":
         cs = capacities(base, mesh, params, prompts, ep)
-    cfg = method_config(base, FLAGS.strategy, FLAGS.transport, cs)
+    cfg = method_config(base, FLAGS.strategy, FLAGS.transport, cs, mesh)
     moe = cfg.moe
     say(f"strategy: {moe.strategy}, transport {moe.transport}, kernels {moe.kernel_impl}"
         + (f" (C={moe.capacity}, S={moe.spill_capacity})"
@@ -352,13 +427,13 @@ def main(argv):
         f"largest peer stream {int(s.max_peer_rows)}, spilled rows {int(s.spilled_rows)} "
         f"({int(s.spill_steps)} calls), fallback rows {int(s.overflow_rows)} "
         f"({int(s.fallback_steps)} calls)")
-    if FLAGS.tokens_out:
-        write_json(FLAGS.tokens_out, dict(setup, strategy=moe.strategy, transport=moe.transport,
-                                          kernel_impl=moe.kernel_impl, capacity=moe.capacity,
-                                          spill_capacity=moe.spill_capacity,
-                                          stats=stats_dict(s), tokens=result.tokens.tolist()))
+    write_tokens(dict(setup, strategy=moe.strategy, transport=moe.transport,
+                      kernel_impl=moe.kernel_impl, capacity=moe.capacity,
+                      spill_capacity=moe.spill_capacity, stats=stats_dict(s),
+                      tokens=result.tokens.tolist()))
     if FLAGS.record_traces:
-        mj.save_jsonl(result.traces, FLAGS.record_traces)
+        if jax.process_index() == 0:
+            mj.save_jsonl(result.traces, FLAGS.record_traces)
         calib = mj.calibrate(result.traces, FLAGS.quantile)
         say(f"wrote {len(result.traces)} routing traces to {FLAGS.record_traces} "
             f"(they calibrate to C={calib.capacity} S={calib.spill_capacity} at "

@@ -20,7 +20,7 @@ from moe_jax.models.generate import generate, pad_prompts, prepare_generation
 from moe_jax.models.progress import Progress
 from moe_testing import mesh_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).absolute().parents[1]
 EXAMPLE = ROOT / "examples" / "generate.py"
 # A tiny model: the example's compile time dominates.
 TINY = ["--vocab=64", "--d_model=32", "--heads=4", "--layers=1", "--experts=4", "--top_k=2",

@@ -3,7 +3,8 @@
     python -m benchmarks.profile_dispatch --tokens=256,4096 --out=DIR
 
 For each method and T it traces 20 steps of the "dc" phase of
-dispatch_bench, then prints (and writes to DIR/profile_summary.txt) the
+dispatch_bench (each step its own call, or with --timing=loop all steps in
+one jitted loop, where the GPUs stay in step), then prints (and writes to DIR/profile_summary.txt) the
 device time per step by kernel on GPU 0, largest first, the wall time per step and,
 for the NVLink transport, its dispatch and combine kernels' time per step
 (including their waits for peers).
@@ -22,6 +23,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -62,13 +64,26 @@ def main(argv):
             calib = bench._calibrate(ranks, tokens, 0.99) if "cap" in method else None
             fn = bench._build(method, "dc", ranks, tokens, calib and calib.capacity,
                               calib and calib.spill_capacity, None, mesh)
-            for i in range(5):
-                jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+            if FLAGS.timing == "loop":  # all traced steps inside one jitted loop
+                steps = NamedSharding(mesh, P(None, "ep"))
+                reps = -(-FLAGS.profile_steps // len(ids))
+                loop_inputs = (x, jax.device_put(np.concatenate([ids] * reps)[:FLAGS.profile_steps],
+                                                 steps),
+                               jax.device_put(np.concatenate([weights] * reps)
+                                              [:FLAGS.profile_steps], steps))
+                run = lambda: jax.block_until_ready(fn(*loop_inputs))
+                calls = 1
+            else:
+                run_step = lambda i: jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+                run = None
+                calls = FLAGS.profile_steps
+            for i in range(2 if run else 5):
+                run() if run else run_step(i)
             tmp = tempfile.mkdtemp()
             t0 = time.perf_counter()
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                for i in range(FLAGS.profile_steps):
-                    jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+                for i in range(calls):
+                    run() if run else run_step(i)
             wall = (time.perf_counter() - t0) / FLAGS.profile_steps * 1e6
             traces = glob.glob(os.path.join(tmp, "**", "*.json.gz"), recursive=True)
             if not traces:

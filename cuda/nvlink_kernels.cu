@@ -561,8 +561,20 @@ size_t PlanSmemBytes(const ChannelShape& s) {
 }  // namespace
 
 cudaError_t ConfigureKernels(const ChannelShape& s) {
+  // The largest dynamic shared memory the plan may take on this device, so
+  // that channels of every shape keep working whichever was created last.
+  int device = 0, optin = 0;
+  cudaFuncAttributes attrs;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, PlanKernel);
+  if (err != cudaSuccess) return err;
+  const int64_t available = optin - static_cast<int64_t>(attrs.sharedSizeBytes);
+  if (static_cast<int64_t>(PlanSmemBytes(s)) > available) return cudaErrorInvalidValue;
   return cudaFuncSetAttribute(PlanKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(PlanSmemBytes(s)));
+                              static_cast<int>(available));
 }
 
 int SendBlocks(const ChannelShape& s) {

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax import custom_calls
 from moe_jax.fast import plan as pl
 from moe_jax.fast import staged_callback, staged_ffi
 from moe_jax.fast.topology import Topology, detect_topology
@@ -102,8 +103,7 @@ def _resolve_impl(impl, transport, platform):
           "use 'callback' (the CPU all-to-all) or 'reference'")
   if transport == "auto":
     transport = "lax" if gpu else "custom_call"
-    if not gpu and "moe_jax_all_to_all" not in staged_ffi.custom_calls.register(
-        ).get("cpu", ()):
+    if not gpu and custom_calls.ALL_TO_ALL not in custom_calls.register().get("cpu", ()):
       transport = "reference"
   if transport == "lax" and not gpu:
     _fail("transport", "'lax' (lax.ragged_all_to_all) is not supported by "

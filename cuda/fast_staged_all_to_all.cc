@@ -34,8 +34,6 @@
 #include <string_view>
 #include <vector>
 
-#include <sched.h>
-
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -103,25 +101,6 @@ ffi::Error CheckAttrs(ffi::Span<const int64_t> replica_groups,
 //===----------------------------------------------------------------------===//
 // Operands
 //===----------------------------------------------------------------------===//
-
-// Elements the FFI API describes as whole bytes (sub-byte types are packed
-// on GPU, so element_count * ByteWidth would miscount them).
-bool ByteSized(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::INVALID:
-    case ffi::DataType::TOKEN:
-    case ffi::DataType::S1:
-    case ffi::DataType::S2:
-    case ffi::DataType::S4:
-    case ffi::DataType::U1:
-    case ffi::DataType::U2:
-    case ffi::DataType::U4:
-    case ffi::DataType::F4E2M1FN:
-      return false;
-    default:
-      return ffi::ByteWidth(t) > 0;
-  }
-}
 
 // Same dtype and trailing dimensions as x (the row shape).
 bool SameRows(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
@@ -211,25 +190,7 @@ std::string CudaText(const char* call, cudaError_t err) {
 
 std::string NcclText(const NcclApi& nccl, const char* call, ncclResult_t r,
                      ncclComm_t comm) {
-  // The loader's message names moe_jax_nccl_all_to_all; name this call.
-  std::string msg = NcclErrorMessage(nccl, call, r, comm);
-  constexpr std::string_view kLoaderPrefix = "moe_jax_nccl_all_to_all: ";
-  if (msg.compare(0, kLoaderPrefix.size(), kLoaderPrefix) == 0) {
-    msg.erase(0, kLoaderPrefix.size());
-  }
-  return Prefixed(msg);
-}
-
-// Non-blocking communicators may answer ncclInProgress: wait until the
-// operation is enqueued (what a blocking communicator returns after).
-ncclResult_t Settle(const NcclApi& nccl, ncclComm_t comm, ncclResult_t r) {
-  while (r == ncclInProgress) {
-    sched_yield();
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = nccl.CommGetAsyncError(comm, &state);
-    r = q != ncclSuccess ? q : state;
-  }
-  return r;
+  return Prefixed(NcclErrorMessage(nccl, call, r, comm));
 }
 
 class NcclTransport {
@@ -271,7 +232,7 @@ class NcclTransport {
   }
 
   std::string GroupEnd() {
-    const ncclResult_t r = Settle(nccl_, comm_, nccl_.GroupEnd());
+    const ncclResult_t r = SettleNccl(nccl_, comm_, nccl_.GroupEnd());
     return r == ncclSuccess ? std::string()
                             : NcclText(nccl_, "ncclGroupEnd", r, comm_);
   }

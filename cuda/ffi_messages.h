@@ -33,6 +33,26 @@ inline std::string_view DTypeName(ffi::DataType t) {
   }
 }
 
+// Elements the FFI API describes as whole bytes. Sub-byte types are packed on
+// GPU (ByteWidth reports 1 for them), so their size in memory is not
+// element_count * ByteWidth; callers refuse them rather than miscount.
+inline bool ByteSized(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::INVALID:
+    case ffi::DataType::TOKEN:
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return false;
+    default:
+      return ffi::ByteWidth(t) > 0;
+  }
+}
+
 inline std::string Describe(const ffi::AnyBuffer& b) {
   std::string s(DTypeName(b.element_type()));
   s += '[';

@@ -30,12 +30,11 @@
 #include <string_view>
 #include <vector>
 
-#include <sched.h>
-
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include "collectives_ext.h"
+#include "ffi_messages.h"
 #include "nccl_loader.h"
 #include "xla/ffi/api/collectives_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -138,37 +137,6 @@ ffi::ErrorOr<const GroupSet*> Groups(ffi::Span<const int64_t> flat,
 // Operands
 //===----------------------------------------------------------------------===//
 
-std::string Describe(const ffi::AnyBuffer& b) {
-  std::string s = "dtype " + std::to_string(static_cast<int>(b.element_type())) +
-                  " [";
-  const auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + ']';
-}
-
-// Elements the FFI API describes as whole bytes. Sub-byte types are packed on
-// GPU (ByteWidth reports 1 for them), so their size in memory is not
-// element_count * ByteWidth; they are refused rather than miscounted.
-bool ByteSized(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::INVALID:
-    case ffi::DataType::TOKEN:
-    case ffi::DataType::S1:
-    case ffi::DataType::S2:
-    case ffi::DataType::S4:
-    case ffi::DataType::U1:
-    case ffi::DataType::U2:
-    case ffi::DataType::U4:
-    case ffi::DataType::F4E2M1FN:
-      return false;
-    default:
-      return ffi::ByteWidth(t) > 0;
-  }
-}
-
 bool SameShape(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
   if (a.element_type() != b.element_type()) return false;
   const auto da = a.dimensions();
@@ -208,20 +176,7 @@ ffi::Error CheckPair(size_t i, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
 
 ffi::Error NcclError(const NcclApi& nccl, const char* call, ncclResult_t r,
                      ncclComm_t comm) {
-  return ffi::Error::Internal(NcclErrorMessage(nccl, call, r, comm));
-}
-
-// Non-blocking communicators may answer ncclInProgress; wait until the
-// operation has been enqueued (what a blocking communicator's call returns
-// after). Blocking ones never take this path.
-ncclResult_t Settle(const NcclApi& nccl, ncclComm_t comm, ncclResult_t r) {
-  while (r == ncclInProgress) {
-    sched_yield();
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = nccl.CommGetAsyncError(comm, &state);
-    r = q != ncclSuccess ? q : state;
-  }
-  return r;
+  return ffi::Error::Internal(Prefixed(NcclErrorMessage(nccl, call, r, comm)));
 }
 
 //===----------------------------------------------------------------------===//
@@ -337,7 +292,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
   }
   // The group is always closed, also after a failed call inside it: an open
   // group would swallow XLA's next NCCL calls on this thread.
-  const ncclResult_t end = Settle(*nccl, comm, nccl->GroupEnd());
+  const ncclResult_t end = SettleNccl(*nccl, comm, nccl->GroupEnd());
   if (failed != nullptr) return NcclError(*nccl, failed, result, comm);
   if (end != ncclSuccess) return NcclError(*nccl, "ncclGroupEnd", end, comm);
   return ffi::Error::Success();

@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <sched.h>
 
 #include <atomic>
 #include <cstring>
@@ -123,14 +124,23 @@ const NcclApi* LoadedNccl() { return g_loaded.load(std::memory_order_acquire); }
 
 std::string NcclErrorMessage(const NcclApi& nccl, const char* call,
                              ncclResult_t result, ncclComm_t comm) {
-  std::string msg = std::string("moe_jax_nccl_all_to_all: ") + call +
-                    " failed: " + nccl.GetErrorString(result) + " (ncclResult " +
+  std::string msg = std::string(call) + " failed: " + nccl.GetErrorString(result) + " (ncclResult " +
                     std::to_string(static_cast<int>(result)) + ")";
   if (nccl.GetLastError != nullptr) {  // a null comm asks for the last global error
     const char* last = nccl.GetLastError(comm);
     if (last != nullptr && last[0] != '\0') msg += std::string(": ") + last;
   }
   return msg;
+}
+
+ncclResult_t SettleNccl(const NcclApi& nccl, ncclComm_t comm, ncclResult_t result) {
+  while (result == ncclInProgress) {
+    sched_yield();
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = nccl.CommGetAsyncError(comm, &state);
+    result = q != ncclSuccess ? q : state;
+  }
+  return result;
 }
 
 }  // namespace moe_jax::cuda

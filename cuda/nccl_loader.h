@@ -50,6 +50,11 @@ const NcclApi* LoadedNccl();
 std::string NcclErrorMessage(const NcclApi& nccl, const char* call,
                              ncclResult_t result, ncclComm_t comm);
 
+// Non-blocking communicators may answer ncclInProgress: waits until the
+// operation is enqueued (what a blocking communicator's call returns after)
+// and returns its final result. Blocking communicators return `result` as is.
+ncclResult_t SettleNccl(const NcclApi& nccl, ncclComm_t comm, ncclResult_t result);
+
 }  // namespace moe_jax::cuda
 
 #endif  // MOE_JAX_CUDA_NCCL_LOADER_H_

@@ -49,6 +49,8 @@ from moe_jax.dispatch.passes import return_window, send_window
 from moe_jax.plan import make_plan, worst_case_rows_per_peer
 from moe_jax.traces import sample_routing
 
+from benchmarks.provenance import source_digest
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["16", "64", "256", "1024", "4096"], "Tokens per GPU.")
 flags.DEFINE_list("quantiles", ["0.90", "0.95", "0.99", "0.995"], "Quantiles that set C.")
@@ -331,20 +333,6 @@ def main(argv):
     _write(results, devices, bandwidth, partial=stopped)
 
 
-def _source_digest() -> str:
-    """sha256 over the package's Python and C++/CUDA sources (which code ran)."""
-    import hashlib  # noqa: PLC0415
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256()
-    for folder in ("moe_jax", "xla_ffi", "cuda"):
-        for dirpath, _, files in sorted(os.walk(os.path.join(root, folder))):
-            for name in sorted(files):
-                if name.endswith((".py", ".cc", ".h", ".cu", ".cuh")):
-                    with open(os.path.join(dirpath, name), "rb") as f:
-                        digest.update(name.encode() + f.read())
-    return digest.hexdigest()[:16]
-
-
 def _write(results, devices, bandwidth, partial):
     os.makedirs(FLAGS.out, exist_ok=True)
     meta = dict(
@@ -352,7 +340,7 @@ def _write(results, devices, bandwidth, partial):
         command="python " + " ".join(sys.argv), host=socket.gethostname(),
         devices=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
         jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
-        moe_jax=mj.__version__, moe_jax_source_sha256=_source_digest(),
+        moe_jax=mj.__version__, moe_jax_source_sha256=source_digest(),
         python=platform.python_version(),
         alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9, hidden=FLAGS.hidden,
         timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll,

@@ -29,7 +29,6 @@ the host-timed step latency.  Writes <out>/<tag>.json and <tag>.md.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import platform as platform_mod
@@ -38,6 +37,8 @@ import sys
 import time
 
 from absl import app, flags
+
+from benchmarks.provenance import source_digest
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1024", "4096", "16384"],
@@ -186,18 +187,6 @@ def _plan_stats(mats, topo, rows, out_rows):
                                                                  topo.gpus_per_server))
 
 
-def _source_digest() -> str:
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  digest = hashlib.sha256()
-  for folder in ("moe_jax", "xla_ffi", "cuda"):
-    for dirpath, _, files in sorted(os.walk(os.path.join(root, folder))):
-      for name in sorted(files):
-        if name.endswith((".py", ".cc", ".h", ".cu", ".cuh")):
-          with open(os.path.join(dirpath, name), "rb") as f:
-            digest.update(name.encode() + f.read())
-  return digest.hexdigest()[:16]
-
-
 def _meta(devices, plat, detected):
   import jax  # noqa: PLC0415
 
@@ -214,7 +203,7 @@ def _meta(devices, plat, detected):
       command="python -m benchmarks.fast_gpu_bench " + " ".join(sys.argv[1:]),
       host=socket.gethostname(), platform=plat,
       devices=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
-      moe_jax=mj.__version__, moe_jax_source_sha256=_source_digest(),
+      moe_jax=mj.__version__, moe_jax_source_sha256=source_digest(),
       python=platform_mod.python_version(), nccl=nccl,
       detected_topology=f"{detected} ({detected.source}{': ' + detected.detail if detected.detail else ''})",
       hidden=FLAGS.hidden, dtype=FLAGS.dtype, skew=FLAGS.skew, scope=FLAGS.scope,

@@ -22,27 +22,20 @@ def test_config_accepts_nvlink():
                         transport="nvlink").transport == "nvlink"
 
 
-def test_dispatch_combine_on_cpu_names_ctx():
+@pytest.mark.parametrize("platform, strategy, argument", [
+    ("cpu", "ragged", "ctx"),            # the NVLink transport needs GPUs
+    ("gpu", "max_counts", "strategy"),   # max_counts pads by definition
+])
+def test_dispatch_combine_checks_name_the_argument(platform, strategy, argument):
     mesh = mesh_of(2, "cpu")
-    ctx = mj.DispatchContext("ep", 2, "nvlink", "custom_call", "cpu", tuple(mesh.devices.flat))
+    ctx = mj.DispatchContext("ep", 2, "nvlink", "custom_call", platform,
+                             tuple(mesh.devices.flat))
 
     def body(x, ids, w):
-        return mj.dispatch_combine(x, ids, w, lambda r, s: r, strategy="ragged", ctx=ctx,
+        return mj.dispatch_combine(x, ids, w, lambda r, s: r, strategy=strategy, ctx=ctx,
                                    experts_per_rank=1).out
 
-    with pytest.raises(ValueError, match="argument 'ctx'"):
-        _lower(body, mesh, jnp.ones((8, 16)), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)))
-
-
-def test_max_counts_is_not_an_nvlink_strategy():
-    mesh = mesh_of(2, "cpu")
-    ctx = mj.DispatchContext("ep", 2, "nvlink", "custom_call", "gpu", tuple(mesh.devices.flat))
-
-    def body(x, ids, w):
-        return mj.dispatch_combine(x, ids, w, lambda r, s: r, strategy="max_counts", ctx=ctx,
-                                   experts_per_rank=1).out
-
-    with pytest.raises(ValueError, match="argument 'strategy'"):
+    with pytest.raises(ValueError, match=f"argument '{argument}'"):
         _lower(body, mesh, jnp.ones((8, 16)), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)))
 
 

@@ -250,28 +250,6 @@ std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,
   return {};
 }
 
-std::string StagedPlanner::Build(const int32_t* traffic, int num_servers,
-                                 int gpus_per_server, int64_t rows_in,
-                                 int64_t rows_out) {
-  if (num_servers < 1 || gpus_per_server < 1) {
-    return "num_servers and gpus_per_server must be >= 1";
-  }
-  const int64_t g = static_cast<int64_t>(num_servers) * gpus_per_server;
-  traffic_.assign(traffic, traffic + g * g);
-  return BuildOwned(num_servers, gpus_per_server, rows_in, rows_out);
-}
-
-std::string StagedPlanner::Build(const int64_t* traffic, int num_servers,
-                                 int gpus_per_server, int64_t rows_in,
-                                 int64_t rows_out) {
-  if (num_servers < 1 || gpus_per_server < 1) {
-    return "num_servers and gpus_per_server must be >= 1";
-  }
-  const int64_t g = static_cast<int64_t>(num_servers) * gpus_per_server;
-  traffic_.assign(traffic, traffic + g * g);
-  return BuildOwned(num_servers, gpus_per_server, rows_in, rows_out);
-}
-
 std::string StagedPlanner::BuildOwned(int num_servers, int gpus_per_server,
                                       int64_t rows_in, int64_t rows_out) {
   const int64_t g = static_cast<int64_t>(num_servers) * gpus_per_server;

@@ -112,10 +112,16 @@ class StagedPlanner {
  public:
   // Checks the traffic against the buffer sizes, schedules and plans.
   // traffic: row-major int32 or int64 [G * G], G = num_servers * M.
-  std::string Build(const int32_t* traffic, int num_servers,
-                    int gpus_per_server, int64_t rows_in, int64_t rows_out);
-  std::string Build(const int64_t* traffic, int num_servers,
-                    int gpus_per_server, int64_t rows_in, int64_t rows_out);
+  template <typename Count>
+  std::string Build(const Count* traffic, int num_servers, int gpus_per_server,
+                    int64_t rows_in, int64_t rows_out) {
+    if (num_servers < 1 || gpus_per_server < 1) {
+      return "num_servers and gpus_per_server must be >= 1";
+    }
+    const int64_t g = static_cast<int64_t>(num_servers) * gpus_per_server;
+    traffic_.assign(traffic, traffic + g * g);
+    return BuildOwned(num_servers, gpus_per_server, rows_in, rows_out);
+  }
   // Rank `rank`'s program of the last Build; fails when it needs more than
   // ws_rows workspace rows.
   std::string ForRank(int rank, int64_t ws_rows, RankProgram* out) const;

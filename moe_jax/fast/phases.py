@@ -62,6 +62,15 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
   return first + np.arange(total)
 
 
+def _rows_of(ph, rank, side, peer, row, buf, ws_base):
+  """Rows (workspace rows offset by ws_base) of the ops of one phase whose
+  `side` column is `rank`, in peer order, each op's rows in order."""
+  mine = ph[ph[:, side] == rank]
+  mine = mine[np.argsort(mine[:, peer], kind="stable")]
+  starts = mine[:, row] + np.where(mine[:, buf] == pl.WS, ws_base, 0)
+  return _ranges(starts, mine[:, pl.ROWS])
+
+
 def shapes(num_ranks: int, phases: int, send_cap: int, recv_cap: int) -> dict:
   """Shapes of the PhaseArrays fields (for jax.pure_callback)."""
   return dict(num_phases=(), send_rows=(phases, send_cap),
@@ -93,11 +102,7 @@ def phase_arrays(plan: pl.ExecutionPlan, rank: int, rows_in: int,
     np.add.at(sizes, (ph[:, pl.SRC], ph[:, pl.DST]), ph[:, pl.ROWS])
     recv_off = np.cumsum(sizes, axis=0) - sizes  # at each receiver, by src
 
-    mine = ph[ph[:, pl.SRC] == rank]
-    mine = mine[np.argsort(mine[:, pl.DST], kind="stable")]
-    starts = mine[:, pl.SRC_ROW] + np.where(mine[:, pl.SRC_BUF] == pl.WS,
-                                            rows_in, 0)
-    rows = _ranges(starts, mine[:, pl.ROWS])
+    rows = _rows_of(ph, rank, pl.SRC, pl.DST, pl.SRC_ROW, pl.SRC_BUF, rows_in)
     if rows.size > send_cap:
       raise ValueError(f"rank {rank} sends {rows.size} rows in phase {p}, "
                        f"room for {send_cap}")
@@ -106,11 +111,7 @@ def phase_arrays(plan: pl.ExecutionPlan, rank: int, rows_in: int,
     out.send_offsets[p] = np.cumsum(sizes[rank]) - sizes[rank]
     out.out_offsets[p] = recv_off[rank]
 
-    inc = ph[ph[:, pl.DST] == rank]
-    inc = inc[np.argsort(inc[:, pl.SRC], kind="stable")]
-    starts = inc[:, pl.DST_ROW] + np.where(inc[:, pl.DST_BUF] == pl.WS,
-                                           rows_out, 0)
-    rows = _ranges(starts, inc[:, pl.ROWS])
+    rows = _rows_of(ph, rank, pl.DST, pl.SRC, pl.DST_ROW, pl.DST_BUF, rows_out)
     if rows.size > recv_cap:
       raise ValueError(f"rank {rank} receives {rows.size} rows in phase {p}, "
                        f"room for {recv_cap}")

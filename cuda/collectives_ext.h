@@ -9,11 +9,18 @@
 // GetCommunicator (execute stage) of `CommunicatorContextBase`, plus
 // overloads taking pre-built `XLA_FFI_ReplicaGroup` views, which do no heap
 // work per call (the base versions convert nested std::vectors every time).
+//
+//   .Ctx<moe_jax::cuda::OptionalCollectives>()
+//
+// decodes to a `std::optional<CollectivesContext>` that is empty where XLA
+// attaches no collectives extension (instead of failing the call), for
+// handlers that need a communicator only in some configurations.
 #ifndef MOE_JAX_CUDA_COLLECTIVES_EXT_H_
 #define MOE_JAX_CUDA_COLLECTIVES_EXT_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "xla/ffi/api/c_api.h"
@@ -117,6 +124,43 @@ class CollectivesContext
 struct Collectives
     : xla::ffi::internal::CollectivesExtensionBase<CollectivesContext> {};
 
+// Tag for `.Ctx<OptionalCollectives>()` (see the file comment).
+struct OptionalCollectives {};
+
 }  // namespace moe_jax::cuda
+
+namespace xla::ffi {
+
+// The extension if XLA attached it (with the version these headers define),
+// else an empty optional; decoding itself never fails.
+template <>
+struct CtxDecoding<moe_jax::cuda::OptionalCollectives> {
+  using Type = std::optional<moe_jax::cuda::CollectivesContext>;
+
+  static std::optional<Type> Decode(const XLA_FFI_Api* api,
+                                    XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine&) {
+    using Ext = moe_jax::cuda::Collectives;
+    XLA_FFI_InvokeContext_FindExtension_Args args;
+    args.struct_size = XLA_FFI_InvokeContext_FindExtension_Args_STRUCT_SIZE;
+    args.extension_start = nullptr;
+    args.ctx = ctx;
+    args.extension_type = Ext::kExtensionType;
+    args.extension = nullptr;
+    if (XLA_FFI_Error* error = api->XLA_FFI_InvokeContext_FindExtension(&args)) {
+      internal::DestroyError(api, error);
+      return Type{};
+    }
+    if (args.extension == nullptr ||
+        args.extension->id.major_version != Ext::kMajorVersion ||
+        args.extension->id.minor_version != Ext::kMinorVersion) {
+      return Type{};
+    }
+    return Type{Ext::Create(
+        api, reinterpret_cast<const Ext::CExtension*>(args.extension))};
+  }
+};
+
+}  // namespace xla::ffi
 
 #endif  // MOE_JAX_CUDA_COLLECTIVES_EXT_H_

@@ -84,6 +84,7 @@ std::unique_ptr<NcclApi> Load(std::string* error) {
   ok &= Resolve(handle, "ncclGroupEnd", api->GroupEnd, &missing);
   ok &= Resolve(handle, "ncclSend", api->Send, &missing);
   ok &= Resolve(handle, "ncclRecv", api->Recv, &missing);
+  ok &= Resolve(handle, "ncclAllGather", api->AllGather, &missing);
   ok &= Resolve(handle, "ncclCommCount", api->CommCount, &missing);
   ok &= Resolve(handle, "ncclCommUserRank", api->CommUserRank, &missing);
   ok &= Resolve(handle, "ncclCommGetAsyncError", api->CommGetAsyncError,

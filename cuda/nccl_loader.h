@@ -1,4 +1,5 @@
-// The few NCCL entry points moe_jax_nccl_all_to_all needs, resolved at first
+// The few NCCL entry points moe_jax_nccl_all_to_all (and the NVLink
+// transport's one-time handle exchange) need, resolved at first
 // use from the libnccl.so.2 that the JAX CUDA plugin already loaded into the
 // process: dlopen("libnccl.so.2", RTLD_NOLOAD) (matches the loaded object's
 // soname), else any loaded object named libnccl.so* (dl_iterate_phdr), and
@@ -23,6 +24,8 @@ struct NcclApi {
                        cudaStream_t) = nullptr;
   ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t,
                        cudaStream_t) = nullptr;
+  ncclResult_t (*AllGather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t,
+                            cudaStream_t) = nullptr;
   ncclResult_t (*CommCount)(const ncclComm_t, int*) = nullptr;
   ncclResult_t (*CommUserRank)(const ncclComm_t, int*) = nullptr;
   // Needed only for non-blocking communicators (ncclInProgress).

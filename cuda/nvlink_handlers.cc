@@ -4,15 +4,24 @@
 // and the halves alone, moe_jax_nvlink_{dispatch,combine}_{send,recv}.
 // Every call carries the channel's attributes
 //
-//   device_ordinals: i64[G * P] CUDA device of every group member, each
-//                    group in rank order; group_size: P
+//   device_ordinals: i64[G * P] CUDA device of every group member in its
+//                    own process, each group in rank order; group_size: P
 //   experts_per_rank, tokens, top_k, row_bytes (H * itemsize of x)
 //   dispatch_fp8: 1 to dispatch bf16 x as e4m3 with per-128 f32 scales
+//   multi_process: 1 when the mesh spans processes
+//   replica_groups: i64[G * P] the groups as flattened device ids (XLA's
+//                   partition ids), for XLA's communicator (multi_process)
 //
-// The prepare stage creates the channel of every group (allocation, peer
-// access: host work done before any launch or graph capture). The execute
-// stage finds this device's group and rank and enqueues kernels only
-// (command-buffer compatible).
+// One process: the prepare stage creates the channel of every group
+// (allocation, peer access: host work done before any launch or graph
+// capture). Several processes: the prepare stage requests XLA's
+// communicator of the groups; the initialize stage (outside capture, with
+// the communicator acquired) opens this device's channel once: its block,
+// the all-gather of the group's IPC handles, the mapping of the peers'
+// blocks. Where XLA runs no initialize stage, the first execution opens it,
+// and refuses to inside a CUDA graph capture. The execute stage finds this
+// device's group and rank and enqueues kernels only (command-buffer
+// compatible).
 #include "nvlink_handlers.h"
 
 #include <algorithm>
@@ -24,10 +33,14 @@
 
 #include <cuda_runtime_api.h>
 
+#include "collectives_ext.h"
 #include "ffi_messages.h"
 #include "nvlink_channel.h"
 #include "nvlink_registry.h"
 #include "xla/ffi/api/ffi.h"
+#ifdef MOE_JAX_WITH_NCCL
+#include "nvlink_exchange.h"
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -35,7 +48,8 @@ namespace moe_jax::cuda::nvlink {
 
 struct Attrs {
   ffi::Span<const int64_t> device_ordinals;
-  int64_t group_size, experts_per_rank, tokens, top_k, row_bytes, dispatch_fp8;
+  int64_t group_size, experts_per_rank, tokens, top_k, row_bytes, dispatch_fp8, multi_process;
+  ffi::Span<const int64_t> replica_groups;
 };
 
 }  // namespace moe_jax::cuda::nvlink
@@ -47,13 +61,24 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("experts_per_rank"),
     xla::ffi::StructMember<int64_t>("tokens"), xla::ffi::StructMember<int64_t>("top_k"),
     xla::ffi::StructMember<int64_t>("row_bytes"),
-    xla::ffi::StructMember<int64_t>("dispatch_fp8"));
+    xla::ffi::StructMember<int64_t>("dispatch_fp8"),
+    xla::ffi::StructMember<int64_t>("multi_process"),
+    xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("replica_groups"));
 
 namespace moe_jax::cuda::nvlink {
 namespace {
 
 constexpr std::string_view kName = "moe_jax_nvlink";
 using Ret = ffi::Result<ffi::AnyBuffer>;
+using MaybeCollectives = std::optional<CollectivesContext>;
+
+// Where an execute handler runs: XLA's stream, this GPU, and XLA's
+// collectives extension if attached (multi-process meshes need it).
+struct Site {
+  cudaStream_t stream;
+  int32_t device;
+  const MaybeCollectives& collectives;
+};
 
 ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
@@ -87,6 +112,13 @@ ffi::Error ShapeOf(const Attrs& a, ChannelShape* shape) {
                    "multiple of 512 (row_bytes a multiple of 1024), got dispatch_fp8=" +
                    std::to_string(a.dispatch_fp8) + ", row_bytes=" + std::to_string(a.row_bytes));
   }
+  if (a.multi_process != 0 &&
+      (a.multi_process != 1 || a.replica_groups.size() != a.device_ordinals.size())) {
+    return Invalid("attribute `multi_process` must be 0 or 1, and 1 needs `replica_groups` of "
+                   "G * group_size ids like `device_ordinals`, got multi_process=" +
+                   std::to_string(a.multi_process) + " with " +
+                   std::to_string(a.replica_groups.size()) + " replica group ids");
+  }
   const int64_t vectors_per_row = a.row_bytes / 16;
   const int64_t per_source = a.tokens * std::min(a.top_k, a.experts_per_rank);
   if (a.tokens * a.top_k * vectors_per_row >= (int64_t{1} << 31) ||
@@ -111,9 +143,122 @@ std::vector<int> Group(const Attrs& a, size_t g) {
   return ordinals;
 }
 
-ffi::Error PrepareImpl(Attrs a) {
+//===----------------------------------------------------------------------===//
+// Multi-process channels: XLA's communicator of the groups
+//===----------------------------------------------------------------------===//
+
+// The groups in the collectives extension's layout, views into the
+// attribute (valid for the call only).
+const std::vector<XLA_FFI_ReplicaGroup>& ReplicaGroups(const Attrs& a) {
+  thread_local std::vector<XLA_FFI_ReplicaGroup> groups;
+  groups.clear();
+  const size_t size = static_cast<size_t>(a.group_size);
+  for (size_t g = 0; g < a.replica_groups.size(); g += size) {
+    groups.push_back(XLA_FFI_ReplicaGroup{a.replica_groups.begin() + g, size});
+  }
+  return groups;
+}
+
+ffi::Error NeedCollectives(const MaybeCollectives& collectives, std::string_view stage) {
+  if (collectives.has_value()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string(kName) + ": the mesh spans processes, which needs XLA's "
+                    "communicator, but XLA attached no collectives extension to the " +
+                    std::string(stage) + " stage");
+}
+
+ffi::Error RequestCommunicator(const Attrs& a, const MaybeCollectives& collectives) {
+  if (ffi::Error err = NeedCollectives(collectives, "prepare"); err.failure()) return err;
+  const std::vector<XLA_FFI_ReplicaGroup>& groups = ReplicaGroups(a);
+  if (ffi::Error err = collectives->RequestCommunicator(
+          ffi::GroupMode::kFlattenedId, groups.data(), groups.size(), /*communication_id=*/0);
+      err.failure()) {
+    return ffi::Error(*err.errc(), std::string(kName) + ": requesting the communicator: " +
+                                       err.message());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<void*> Communicator(const Attrs& a, const MaybeCollectives& collectives,
+                                 std::string_view stage) {
+  if (ffi::Error err = NeedCollectives(collectives, stage); err.failure()) return err;
+  const std::vector<XLA_FFI_ReplicaGroup>& groups = ReplicaGroups(a);
+  ffi::ErrorOr<XLA_FFI_Communicator*> comm = collectives->GetCommunicator(
+      ffi::GroupMode::kFlattenedId, groups.data(), groups.size(), /*communication_id=*/0);
+  if (!comm.has_value()) {
+    return ffi::Error(*comm.error().errc(), std::string(kName) + ": getting the communicator: " +
+                                                comm.error().message());
+  }
+  return static_cast<void*>(*comm);
+}
+
+ffi::Error NotCapturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaError_t err = cudaStreamIsCapturing(stream, &status); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kName) + ": cudaStreamIsCapturing failed: " +
+                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+  if (status == cudaStreamCaptureStatusNone) return ffi::Error::Success();
+  return ffi::Error(
+      ffi::ErrorCode::kFailedPrecondition,
+      std::string(kName) + ": the channel's CUDA IPC handles must be exchanged once, outside "
+      "CUDA graph capture, but its first use is being captured (XLA ran no initialize stage "
+      "for this call). Run a program with the same NVLink dispatch shapes once without "
+      "command buffers first, or keep custom calls out of them (XLA_FLAGS="
+      "--xla_gpu_enable_command_buffer= without CUSTOM_CALL)");
+}
+
+// Opens (once) or finds this device's channel in a multi-process mesh.
+// `stream`: XLA's stream in the execute stage (checked for capture before a
+// first use), nullptr in the initialize stage.
+ffi::Error SharedView(const Attrs& a, const ChannelShape& shape, int32_t device,
+                      const MaybeCollectives& collectives, cudaStream_t stream,
+                      std::string_view stage, ChannelView* view) {
+  ffi::ErrorOr<void*> comm = Communicator(a, collectives, stage);
+  if (!comm.has_value()) return comm.error();
+  if (const ChannelView* found = FindSharedChannel(*comm, device, shape)) {
+    *view = *found;
+    return ffi::Error::Success();
+  }
+  if (stream != nullptr) {
+    if (ffi::Error err = NotCapturing(stream); err.failure()) return err;
+  }
+#ifdef MOE_JAX_WITH_NCCL
+  int rank = -1, count = 0;
+  std::string error;
+  if (!CommRankAndCount(*comm, &rank, &count, &error)) return ffi::Error::Internal(error);
+  if (count != a.group_size || rank < 0 || rank >= count) {
+    return ffi::Error::Internal(std::string(kName) + ": XLA's communicator has rank " +
+                                std::to_string(rank) + " of " + std::to_string(count) +
+                                " but group_size is " + std::to_string(a.group_size));
+  }
+  const GatherRecords gather = [&](const PeerRecord& mine, std::vector<PeerRecord>* all,
+                                   std::string* err) {
+    all->resize(static_cast<size_t>(count));
+    return AllGatherHostBytes(*comm, &mine, all->data(), sizeof(PeerRecord), count, err);
+  };
+  const ChannelView* opened = OpenSharedChannel(*comm, device, rank, shape, gather, &error);
+  if (opened == nullptr) {
+    return ffi::Error::Internal(std::string(kName) + ": opening the channel of GPU " +
+                                std::to_string(device) + " (rank " + std::to_string(rank) +
+                                "): " + error);
+  }
+  *view = *opened;
+  return ffi::Error::Success();
+#else
+  return Invalid("this build has no NCCL (nccl.h was not found at build time), which a mesh "
+                 "spanning processes needs for the handle exchange");
+#endif
+}
+
+//===----------------------------------------------------------------------===//
+// Stages
+//===----------------------------------------------------------------------===//
+
+ffi::Error PrepareImpl(MaybeCollectives collectives, Attrs a) {
   ChannelShape shape;
   if (ffi::Error err = ShapeOf(a, &shape); err.failure()) return err;
+  if (a.multi_process) return RequestCommunicator(a, collectives);
   for (size_t g = 0; g * a.group_size < a.device_ordinals.size(); ++g) {
     std::string error;
     if (GetChannel(Group(a, g), shape, &error) == nullptr) return Invalid(error);
@@ -121,10 +266,24 @@ ffi::Error PrepareImpl(Attrs a) {
   return ffi::Error::Success();
 }
 
-// The kernels' view of this device's channel (its group and rank).
-ffi::Error Find(const Attrs& a, int32_t device, ChannelView* view) {
+// Multi-process: opens this device's channel outside any capture. One
+// process: nothing (the prepare stage created the channels).
+ffi::Error InitializeImpl(int32_t device, MaybeCollectives collectives, Attrs a) {
+  if (!a.multi_process) return ffi::Error::Success();
   ChannelShape shape;
   if (ffi::Error err = ShapeOf(a, &shape); err.failure()) return err;
+  ChannelView view;
+  return SharedView(a, shape, device, collectives, /*stream=*/nullptr, "initialize", &view);
+}
+
+// The kernels' view of this device's channel (its group and rank).
+ffi::Error Find(const Attrs& a, const Site& site, ChannelView* view) {
+  ChannelShape shape;
+  if (ffi::Error err = ShapeOf(a, &shape); err.failure()) return err;
+  if (a.multi_process) {
+    return SharedView(a, shape, site.device, site.collectives, site.stream, "execute", view);
+  }
+  const int32_t device = site.device;
   for (size_t i = 0; i < a.device_ordinals.size(); ++i) {
     if (a.device_ordinals[i] != device) continue;
     std::vector<int> group = Group(a, i / a.group_size);
@@ -155,11 +314,11 @@ ffi::Error Need(bool ok, std::string_view call, std::string_view what, const std
                  Describe(got));
 }
 
-ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error DispatchSend(const Site& site, ffi::AnyBuffer x,
                         ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts,
                         const Attrs& a) {
   ChannelView ch;
-  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
+  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
   const std::optional<ElemType> type = FloatType(x.element_type());
   const bool fp8 = ch.shape.dispatch_fp8 != 0;
   if (auto e = Need(type && (!fp8 || *type == ElemType::kBF16) &&
@@ -182,14 +341,14 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                   LaunchDispatchSend(ch, x.untyped_data(),
                                      static_cast<const int32_t*>(expert_ids.untyped_data()),
                                      static_cast<int32_t*>(slot_pos->untyped_data()),
-                                     static_cast<int32_t*>(send_counts->untyped_data()), stream));
+                                     static_cast<int32_t*>(send_counts->untyped_data()), site.stream));
 }
 
 // scales: nullptr unless the channel dispatches fp8.
-ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, Ret rows, Ret* scales,
+ffi::Error DispatchRecv(const Site& site, Ret rows, Ret* scales,
                         Ret group_sizes, Ret all_counts, const Attrs& a) {
   ChannelView ch;
-  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
+  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
   const ChannelShape& s = ch.shape;
   const int64_t want_rows = a.group_size * s.RowsPerSource();
   const bool fp8 = s.dispatch_fp8 != 0;
@@ -222,13 +381,13 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, Ret rows, Ret* scal
   return Launched("dispatch_recv",
                   LaunchDispatchRecv(ch, rows->untyped_data(), scales_data,
                                      static_cast<int32_t*>(group_sizes->untyped_data()),
-                                     static_cast<int32_t*>(all_counts->untyped_data()), stream));
+                                     static_cast<int32_t*>(all_counts->untyped_data()), site.stream));
 }
 
-ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+ffi::Error CombineSend(const Site& site, ffi::AnyBuffer y,
                        ffi::AnyBuffer all_counts, const Attrs& a) {
   ChannelView ch;
-  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
+  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
   const int64_t want_rows = a.group_size * ch.shape.RowsPerSource();
   const std::optional<ElemType> type = FloatType(y.element_type());
   if (auto e = Need(type && HasDims(y, {want_rows, a.row_bytes / ElemBytes(*type)}),
@@ -248,14 +407,14 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   return Launched("combine_send",
                   LaunchCombineSend(ch, y.untyped_data(),
                                     static_cast<const int32_t*>(all_counts.untyped_data()),
-                                    stream));
+                                    site.stream));
 }
 
-ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_ids,
+ffi::Error CombineRecv(const Site& site, ffi::AnyBuffer expert_ids,
                        ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out,
                        const Attrs& a) {
   ChannelView ch;
-  if (ffi::Error err = Find(a, device, &ch); err.failure()) return err;
+  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
   const std::optional<ElemType> type = FloatType(out->element_type());
   if (auto e = Need(type && HasDims(*out, {a.tokens, a.row_bytes / ElemBytes(*type)}),
                     "combine_recv", "result `out`", "[tokens, H] in x's dtype", *out);
@@ -278,72 +437,80 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::AnyBuffer exper
                                     static_cast<const int32_t*>(expert_ids.untyped_data()),
                                     static_cast<const int32_t*>(slot_pos.untyped_data()),
                                     static_cast<const float*>(weights.untyped_data()),
-                                    out->untyped_data(), stream));
+                                    out->untyped_data(), site.stream));
 }
 
 // The execute handlers. Fused calls run both halves: nothing XLA schedules
 // can come between them, so consecutive calls of a channel always
 // alternate send and receive.
 
-ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts, Attrs a) {
-  return DispatchSend(stream, device, x, expert_ids, slot_pos, send_counts, a);
+ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                            ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
+                            Ret send_counts, Attrs a) {
+  return DispatchSend(Site{stream, device, collectives}, x, expert_ids, slot_pos, send_counts, a);
 }
 
-ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*slot_pos*/,
-                            Ret rows, Ret group_sizes, Ret all_counts, Attrs a) {
-  return DispatchRecv(stream, device, rows, nullptr, group_sizes, all_counts, a);
+ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                            ffi::AnyBuffer /*slot_pos*/, Ret rows, Ret group_sizes,
+                            Ret all_counts, Attrs a) {
+  return DispatchRecv(Site{stream, device, collectives}, rows, nullptr, group_sizes, all_counts,
+                      a);
 }
 
 ffi::Error DispatchRecvFp8Impl(cudaStream_t stream, int32_t device,
-                               ffi::AnyBuffer /*slot_pos*/, Ret rows, Ret scales,
-                               Ret group_sizes, Ret all_counts, Attrs a) {
-  return DispatchRecv(stream, device, rows, &scales, group_sizes, all_counts, a);
+                               MaybeCollectives collectives, ffi::AnyBuffer /*slot_pos*/,
+                               Ret rows, Ret scales, Ret group_sizes, Ret all_counts, Attrs a) {
+  return DispatchRecv(Site{stream, device, collectives}, rows, &scales, group_sizes, all_counts,
+                      a);
 }
 
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                        ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts, Ret rows,
-                        Ret group_sizes, Ret all_counts, Attrs a) {
-  if (ffi::Error e = DispatchSend(stream, device, x, expert_ids, slot_pos, send_counts, a);
-      e.failure()) {
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                        ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
+                        Ret send_counts, Ret rows, Ret group_sizes, Ret all_counts, Attrs a) {
+  const Site site{stream, device, collectives};
+  if (ffi::Error e = DispatchSend(site, x, expert_ids, slot_pos, send_counts, a); e.failure()) {
     return e;
   }
-  return DispatchRecv(stream, device, rows, nullptr, group_sizes, all_counts, a);
+  return DispatchRecv(site, rows, nullptr, group_sizes, all_counts, a);
 }
 
-ffi::Error DispatchFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                           ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts, Ret rows,
-                           Ret scales, Ret group_sizes, Ret all_counts, Attrs a) {
-  if (ffi::Error e = DispatchSend(stream, device, x, expert_ids, slot_pos, send_counts, a);
-      e.failure()) {
+ffi::Error DispatchFp8Impl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                           ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
+                           Ret send_counts, Ret rows, Ret scales, Ret group_sizes,
+                           Ret all_counts, Attrs a) {
+  const Site site{stream, device, collectives};
+  if (ffi::Error e = DispatchSend(site, x, expert_ids, slot_pos, send_counts, a); e.failure()) {
     return e;
   }
-  return DispatchRecv(stream, device, rows, &scales, group_sizes, all_counts, a);
+  return DispatchRecv(site, rows, &scales, group_sizes, all_counts, a);
 }
 
-ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
-                           ffi::AnyBuffer all_counts, Ret /*done*/, Attrs a) {
-  return CombineSend(stream, device, y, all_counts, a);
+ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                           ffi::AnyBuffer y, ffi::AnyBuffer all_counts, Ret /*done*/, Attrs a) {
+  return CombineSend(Site{stream, device, collectives}, y, all_counts, a);
 }
 
-ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*done*/,
-                           ffi::AnyBuffer expert_ids, ffi::AnyBuffer slot_pos,
-                           ffi::AnyBuffer weights, Ret out, Attrs a) {
-  return CombineRecv(stream, device, expert_ids, slot_pos, weights, out, a);
+ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                           ffi::AnyBuffer /*done*/, ffi::AnyBuffer expert_ids,
+                           ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out, Attrs a) {
+  return CombineRecv(Site{stream, device, collectives}, expert_ids, slot_pos, weights, out, a);
 }
 
-ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
-                       ffi::AnyBuffer all_counts, ffi::AnyBuffer expert_ids,
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                       ffi::AnyBuffer y, ffi::AnyBuffer all_counts, ffi::AnyBuffer expert_ids,
                        ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out, Attrs a) {
-  if (ffi::Error e = CombineSend(stream, device, y, all_counts, a); e.failure()) return e;
-  return CombineRecv(stream, device, expert_ids, slot_pos, weights, out, a);
+  const Site site{stream, device, collectives};
+  if (ffi::Error e = CombineSend(site, y, all_counts, a); e.failure()) return e;
+  return CombineRecv(site, expert_ids, slot_pos, weights, out, a);
 }
 
-// The execute binding's context: XLA's stream and this GPU's ordinal.
+// The execute binding's context: XLA's stream, this GPU's ordinal and the
+// collectives extension if XLA attached it.
 auto Execute() {
   return ffi::Ffi::BindExecute()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::DeviceOrdinal>();
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<OptionalCollectives>();
 }
 
 }  // namespace
@@ -354,7 +521,15 @@ using nv::Execute;
 using xla::ffi::AnyBuffer;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkPrepare, nv::PrepareImpl,
-                              xla::ffi::Ffi::BindPrepare().Attrs<nv::Attrs>());
+                              xla::ffi::Ffi::BindPrepare()
+                                  .Ctx<moe_jax::cuda::OptionalCollectives>()
+                                  .Attrs<nv::Attrs>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkInitialize, nv::InitializeImpl,
+                              xla::ffi::Ffi::BindInitialize()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<moe_jax::cuda::OptionalCollectives>()
+                                  .Attrs<nv::Attrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchSend, nv::DispatchSendImpl,
                               Execute()

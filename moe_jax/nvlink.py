@@ -21,9 +21,19 @@ waits more than 30 s for a peer traps with a message naming the wait.
 Receive buffers belong to a channel: one per (devices of the expert group,
 T, k, E_local, H * itemsize, dispatch format), allocated once on every GPU
 of the group (2 x P x T dispatched rows and 2 x P x T x min(k, E_local)
-returned rows per GPU) and shared by every call of that signature. At most two sends per channel may be outstanding (each
-half alternates between two buffers). Single process, one GPU per rank,
-all ranks with peer access (one NVLink domain, P <= 8).
+returned rows per GPU) and shared by every call of that signature. At most
+two sends per channel may be outstanding (each half alternates between two
+buffers). One GPU per rank, all ranks of a group with peer access (one
+NVLink domain, P <= 8).
+
+Multi-process meshes (jax.distributed, e.g. one GPU per process): each
+process allocates the buffers of its own GPUs; the members of a group
+exchange their buffers' CUDA IPC handles once, by an all-gather over XLA's
+NCCL communicator of the group, and map each other's buffers
+(cudaIpcOpenMemHandle; the plain pointer for GPUs of the same process). The
+exchange runs in the custom call's initialize stage where XLA runs one,
+else at the first execution, which must then happen outside CUDA graph
+capture (an error says so otherwise). Every group must sit inside one node.
 
 Layout of the dispatched rows: [P * W, H], W = T * min(k, E_local), grouped
 by local expert and within an expert by (source rank, token, pick), the
@@ -87,28 +97,58 @@ def _check(cond, operand, message):
         raise ValueError(f"moe_jax_nvlink: argument '{operand}' {message}")
 
 
-def device_ordinal_groups(axis_name: str, mesh_devices) -> np.ndarray:
-    """[G, P] CUDA device ordinals of every group along `axis_name`, rank order.
+class GroupLayout(NamedTuple):
+    """Where the members of every group live.
 
-    mesh_devices: the mesh's devices in mesh order (`mesh.devices.flat`).
+    device_ordinals: [G, P] int64 CUDA ordinal of each member in its own
+      process (-1 where the process does not report it).
+    replica_groups: [G, P] int64 flattened device ids (positions in the
+      mesh's device order: XLA's partition ids), as the NCCL transport names
+      its groups; they select XLA's communicator of the groups.
+    multi_process: the mesh's devices span several processes.
     """
+
+    device_ordinals: np.ndarray
+    replica_groups: np.ndarray
+    multi_process: bool
+
+
+def _local_ordinal(device) -> int:
+    ordinal = getattr(device, "local_hardware_id", None)
+    return -1 if ordinal is None else int(ordinal)
+
+
+def group_layout(groups: np.ndarray, mesh_devices) -> GroupLayout:
+    """The layout of `groups` ([G, P] flattened device ids, rank order) over
+    `mesh_devices` (the mesh's devices in mesh order, `mesh.devices.flat`),
+    which may belong to several processes; each must be a GPU."""
     devices = list(mesh_devices)
-    groups = custom_calls.replica_groups(axis_name)
+    groups = np.asarray(groups, np.int64)
     _check(groups.size == len(devices), "mesh_devices",
            f"must list the {groups.size} devices of the mesh, got {len(devices)}")
     _check(groups.shape[1] <= MAX_RANKS, "axis_name",
            f"spans {groups.shape[1]} ranks; the NVLink transport takes at most {MAX_RANKS}")
-    here = jax.process_index()
-    _check(all(d.process_index == here for d in devices), "mesh_devices",
-           "must all belong to this process (the NVLink transport is single-process)")
     _check(all(d.platform == "gpu" for d in devices), "mesh_devices",
            "must be GPUs")
-    ordinals = np.array([d.local_hardware_id for d in devices], np.int64)
-    return ordinals[groups]
+    ordinals = np.array([_local_ordinal(d) for d in devices], np.int64)
+    processes = {d.process_index for d in devices}
+    return GroupLayout(ordinals[groups], groups, len(processes) > 1)
+
+
+def device_ordinal_groups(axis_name: str, mesh_devices) -> np.ndarray:
+    """[G, P] CUDA device ordinals (each in its own process) of every group
+    along `axis_name`, rank order. mesh_devices: the mesh's devices in mesh
+    order (`mesh.devices.flat`)."""
+    return group_layout(custom_calls.replica_groups(axis_name), mesh_devices).device_ordinals
 
 
 class Channel(NamedTuple):
-    """Static attributes naming one channel (see the module doc)."""
+    """Static attributes naming one channel (see the module doc).
+
+    replica_groups ([G, P] flattened device ids) and multi_process matter
+    only when the mesh spans processes; replica_groups defaults to the
+    groups of a 1-D mesh in device order.
+    """
 
     device_ordinals: np.ndarray   # [G, P]
     experts_per_rank: int
@@ -117,6 +157,8 @@ class Channel(NamedTuple):
     hidden: int
     dtype: jnp.dtype
     fp8: bool = False
+    replica_groups: np.ndarray | None = None   # [G, P]
+    multi_process: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -129,12 +171,17 @@ class Channel(NamedTuple):
                                                          self.experts_per_rank)
 
     def attrs(self) -> dict:
+        groups = self.replica_groups
+        if groups is None:
+            groups = np.arange(self.device_ordinals.size).reshape(self.device_ordinals.shape)
         return dict(device_ordinals=self.device_ordinals.reshape(-1).astype(np.int64),
                     group_size=np.int64(self.num_ranks),
                     experts_per_rank=np.int64(self.experts_per_rank),
                     tokens=np.int64(self.tokens), top_k=np.int64(self.top_k),
                     row_bytes=np.int64(self.hidden * jnp.dtype(self.dtype).itemsize),
-                    dispatch_fp8=np.int64(int(self.fp8)))
+                    dispatch_fp8=np.int64(int(self.fp8)),
+                    multi_process=np.int64(int(self.multi_process)),
+                    replica_groups=np.asarray(groups, np.int64).reshape(-1))
 
     def dispatched_types(self) -> tuple:
         """Shapes/dtypes of the dispatched rows (and scales for fp8)."""
@@ -158,12 +205,14 @@ def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
         _check(x.dtype == jnp.bfloat16 and x.shape[1] % 512 == 0, "x",
                f"must be bfloat16 with H a multiple of 512 for fp8 dispatch, got "
                f"{x.dtype}{list(x.shape)}")
-    groups = device_ordinal_groups(axis_name, mesh_devices)
-    _check(1 <= experts_per_rank <= 256 and groups.shape[1] * experts_per_rank <= 1024,
+    layout = group_layout(custom_calls.replica_groups(axis_name), mesh_devices)
+    _check(1 <= experts_per_rank <= 256
+           and layout.device_ordinals.shape[1] * experts_per_rank <= 1024,
            "experts_per_rank", f"must be in [1, 256] with P * E_local <= 1024, "
            f"got {experts_per_rank}")
-    return Channel(groups, int(experts_per_rank), int(x.shape[0]), int(expert_ids.shape[1]),
-                   int(x.shape[1]), jnp.dtype(x.dtype), bool(fp8))
+    return Channel(layout.device_ordinals, int(experts_per_rank), int(x.shape[0]),
+                   int(expert_ids.shape[1]), int(x.shape[1]), jnp.dtype(x.dtype), bool(fp8),
+                   layout.replica_groups, layout.multi_process)
 
 
 def _check_y(channel: Channel, y) -> None:

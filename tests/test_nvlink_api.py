@@ -1,6 +1,8 @@
 """The NVLink transport's trace-time checks (CPU): clear errors that name
 the argument; its kernels are covered by tests/test_gpu_multi_nvlink.py."""
 
+import types
+
 import jax
 import numpy as np
 import jax.numpy as jnp
@@ -125,3 +127,61 @@ def test_dispatch_fp8_config_checks(changes):
     assert mj.MoEConfig(**kw).dispatch_fp8
     with pytest.raises(ValueError, match="MoEConfig.dispatch_fp8"):
         mj.MoEConfig(**{**kw, **changes})
+
+
+def _fake_gpus(processes, ordinals):
+    return [types.SimpleNamespace(platform="gpu", process_index=p, local_hardware_id=o)
+            for p, o in zip(processes, ordinals)]
+
+
+def test_group_layout_one_gpu_per_process():
+    """A (dp=2, ep=2) mesh over 4 processes of one GPU each: every member is
+    GPU 0 of its process; the groups name XLA's communicator."""
+    groups = np.array([[0, 1], [2, 3]])
+    layout = nvlink.group_layout(groups, _fake_gpus([0, 1, 2, 3], [0, 0, 0, 0]))
+    assert layout.multi_process
+    np.testing.assert_array_equal(layout.device_ordinals, np.zeros((2, 2)))
+    np.testing.assert_array_equal(layout.replica_groups, groups)
+    ch = nvlink.Channel(layout.device_ordinals, 1, 8, 2, 256, jnp.dtype(jnp.bfloat16), False,
+                        layout.replica_groups, layout.multi_process)
+    attrs = ch.attrs()
+    assert int(attrs["multi_process"]) == 1 and int(attrs["group_size"]) == 2
+    np.testing.assert_array_equal(attrs["replica_groups"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(attrs["device_ordinals"], [0, 0, 0, 0])
+    assert attrs["replica_groups"].dtype == np.int64
+
+
+def test_group_layout_groups_along_the_first_axis():
+    """Groups along the first axis of a 2 x 2 mesh of 2 processes x 2 GPUs:
+    each group has one member in each process, with the same local ordinal."""
+    groups = np.array([[0, 2], [1, 3]])
+    layout = nvlink.group_layout(groups, _fake_gpus([0, 0, 1, 1], [0, 1, 0, 1]))
+    assert layout.multi_process
+    np.testing.assert_array_equal(layout.device_ordinals, [[0, 0], [1, 1]])
+    np.testing.assert_array_equal(layout.replica_groups, groups)
+
+
+def test_group_layout_one_process_is_single_process():
+    layout = nvlink.group_layout(np.array([[0, 1, 2, 3]]), _fake_gpus([0] * 4, [3, 2, 1, 0]))
+    assert not layout.multi_process
+    np.testing.assert_array_equal(layout.device_ordinals, [[3, 2, 1, 0]])
+    ch = nvlink.Channel(layout.device_ordinals, 2, 128, 8, 7168, jnp.dtype(jnp.bfloat16))
+    assert int(ch.attrs()["multi_process"]) == 0
+    np.testing.assert_array_equal(ch.attrs()["replica_groups"], [0, 1, 2, 3])
+
+
+def test_group_layout_unknown_remote_ordinal():
+    devices = _fake_gpus([0, 1], [0, None])
+    layout = nvlink.group_layout(np.array([[0, 1]]), devices)
+    np.testing.assert_array_equal(layout.device_ordinals, [[0, -1]])
+
+
+@pytest.mark.parametrize("platforms, ranks, argument", [
+    (["gpu", "cpu"], 2, "mesh_devices"),
+    (["gpu"] * 16, 16, "axis_name"),
+])
+def test_group_layout_checks_name_the_argument(platforms, ranks, argument):
+    devices = [types.SimpleNamespace(platform=p, process_index=i, local_hardware_id=0)
+               for i, p in enumerate(platforms)]
+    with pytest.raises(ValueError, match=f"argument '{argument}'"):
+        nvlink.group_layout(np.arange(ranks).reshape(1, ranks), devices)

@@ -38,6 +38,7 @@ NB_MODULE(_ffi_cuda, m) {
         for (const auto& [name, execute] : nvlink) {
           nb::dict stages;
           stages["prepare"] = nb::capsule(reinterpret_cast<void*>(MoeJaxNvlinkPrepare));
+          stages["initialize"] = nb::capsule(reinterpret_cast<void*>(MoeJaxNvlinkInitialize));
           stages["execute"] = nb::capsule(execute);
           d[name] = stages;
         }

@@ -17,6 +17,7 @@ STRATEGIES = ("dense", "max_counts", "cap_and_spill", "ragged")
 TRANSPORTS = ("lax", "custom_call", "nvlink")
 KERNEL_IMPLS = ("custom_call", "reference")
 ROUTERS = ("softmax", "sigmoid_grouped")
+MATMULS = ("xla", "row_invariant")
 
 
 def _require(cond: bool, argument: str, message: str) -> None:
@@ -63,6 +64,13 @@ class MoEConfig:
       load_balance_coef / router_z_coef: weights of the auxiliary losses.
       dtype: dtype of activations and expert matmul inputs.
       param_dtype: dtype of the parameters.
+      matmul: how the router and the experts multiply: "xla" (XLA's dots,
+        the fastest; on GPU the bits of a row can change with the number of
+        rows in the call, so strategies and EP sizes may differ in the last
+        bits) or "row_invariant" (`moe_jax.row_invariant`: every row's bits
+        depend only on that row and its expert's weights, so every strategy
+        and EP size gives bitwise the same layer output; dtype bfloat16 or
+        float32).
     """
 
     hidden_size: int
@@ -84,6 +92,7 @@ class MoEConfig:
     dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
     dispatch_fp8: bool = False
+    matmul: str = "xla"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_size", "num_experts", "top_k"):
@@ -132,6 +141,12 @@ class MoEConfig:
                      "in the selected groups")
         for name in ("load_balance_coef", "router_z_coef"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
+        _require(self.matmul in MATMULS, "matmul",
+                 f"must be one of {MATMULS}, got {self.matmul!r}")
+        if self.matmul == "row_invariant":
+            _require(jnp.dtype(self.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)),
+                     "matmul", "'row_invariant' needs dtype bfloat16 or float32, got "
+                     f"{jnp.dtype(self.dtype)}")
         for name in ("dtype", "param_dtype"):
             dt = jnp.dtype(getattr(self, name))
             _require(dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),

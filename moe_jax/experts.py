@@ -35,7 +35,7 @@ def init_expert_weights(key: jax.Array, num_experts: int, hidden: int, ffn: int,
 
 
 def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
-                   compute_dtype=jnp.bfloat16) -> jax.Array:
+                   compute_dtype=jnp.bfloat16, matmul: str = "xla") -> jax.Array:
     """SwiGLU of each row with its expert's weights.
 
     Args:
@@ -44,16 +44,28 @@ def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeigh
       group_sizes: [G] int32 rows of each expert, in order.
       weights: the G experts' weights.
       compute_dtype: dtype of the matmul inputs (float32 accumulation).
+      matmul: "xla" (lax.ragged_dot) or "row_invariant" (each output row's
+        bits independent of M and of the other rows; see MoEConfig.matmul).
     Returns:
       [M, H] in the dtype of rows.
     """
     x = rows.astype(compute_dtype)
     group_sizes = group_sizes.astype(jnp.int32)
-    gate = jax.lax.ragged_dot(x, weights.w_gate.astype(compute_dtype), group_sizes,
-                              preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(x, weights.w_up.astype(compute_dtype), group_sizes,
-                            preferred_element_type=jnp.float32)
+    dot = _grouped_dot(matmul)
+    gate = dot(x, weights.w_gate.astype(compute_dtype), group_sizes)
+    up = dot(x, weights.w_up.astype(compute_dtype), group_sizes)
     hidden = (jax.nn.silu(gate) * up).astype(compute_dtype)
-    out = jax.lax.ragged_dot(hidden, weights.w_down.astype(compute_dtype), group_sizes,
-                             preferred_element_type=jnp.float32)
+    out = dot(hidden, weights.w_down.astype(compute_dtype), group_sizes)
     return out.astype(rows.dtype)
+
+
+def _grouped_dot(matmul: str):
+    """(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N] float32."""
+    if matmul == "row_invariant":
+        from moe_jax import row_invariant
+        return row_invariant.grouped_matmul
+    if matmul != "xla":
+        raise ValueError(f"swiglu_grouped: argument 'matmul' must be 'xla' or "
+                         f"'row_invariant', got {matmul!r}")
+    return lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes,
+                                                  preferred_element_type=jnp.float32)

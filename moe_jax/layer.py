@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
-from moe_jax.routing import load_balancing_loss, route, router_z_loss
+from moe_jax.routing import load_balancing_loss, route, router_logits, router_z_loss
 
 
 class MoEParams(NamedTuple):
@@ -90,13 +90,13 @@ def _unflatten(out: jax.Array, like: jax.Array, mesh=None, axis: str | None = No
 
 
 def _expert_fn(experts: ExpertWeights, config: MoEConfig):
-    return lambda rows, group_sizes: swiglu_grouped(rows, group_sizes, experts, config.dtype)
+    return lambda rows, group_sizes: swiglu_grouped(rows, group_sizes, experts, config.dtype,
+                                                    config.matmul)
 
 
 def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
                         ctx: DispatchContext, return_delivered: bool):
-    logits = jnp.dot(tokens.astype(jnp.float32), params.router.astype(jnp.float32))
-    routing = route(logits, config, params.router_bias)
+    routing = route(router_logits(tokens, params.router, config), config, params.router_bias)
     result = dispatch_combine(
         tokens.astype(config.dtype), routing.expert_ids, routing.weights,
         _expert_fn(params.experts, config), strategy=config.strategy, ctx=ctx,

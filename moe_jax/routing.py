@@ -98,6 +98,16 @@ def router_z_loss(routing: Routing, psum: Callable | None = None) -> jax.Array:
     return total / count
 
 
+def router_logits(tokens: jax.Array, router: jax.Array, config) -> jax.Array:
+    """Router logits [T, E] float32 of tokens [T, H] and router [H, E], in
+    float32 with the multiply `config.matmul` names (see MoEConfig)."""
+    x, w = tokens.astype(jnp.float32), router.astype(jnp.float32)
+    if config.matmul == "row_invariant":
+        from moe_jax import row_invariant
+        return row_invariant.matmul(x, w)
+    return jnp.dot(x, w)
+
+
 def route(logits: jax.Array, config, bias: jax.Array | None = None) -> Routing:
     """Routes with the router `config.router` names (see MoEConfig)."""
     if config.router == "softmax":

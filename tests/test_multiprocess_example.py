@@ -79,7 +79,6 @@ def _fake_mesh(platform: str, processes):
 @pytest.mark.parametrize("changes, platform, argument", [
     (dict(strategy="max_counts", transport="custom_call"), "cpu", "transport"),
     (dict(strategy="ragged"), "cpu", "kernel_impl"),
-    (dict(strategy="ragged", transport="nvlink"), "gpu", "transport"),
 ])
 def test_check_multiprocess_names_the_argument(changes, platform, argument):
     cfg = DecoderConfig.create(**changes)
@@ -94,6 +93,7 @@ def test_check_multiprocess_names_the_argument(changes, platform, argument):
     (dict(strategy="dense", transport="custom_call"), "cpu"),
     (dict(strategy="cap_and_spill", capacity=2, spill_capacity=1, transport="custom_call"),
      "gpu"),  # NCCL crosses processes
+    (dict(strategy="ragged", transport="nvlink"), "gpu"),  # CUDA IPC crosses processes
 ])
 def test_check_multiprocess_accepts(changes, platform):
     check_multiprocess(DecoderConfig.create(**changes), _fake_mesh(platform, [0, 1]))

@@ -46,7 +46,7 @@ from moe_jax.layer import MoEParams, moe_layer
 from moe_jax.nn import linen as moe_linen
 from moe_jax.nn import nnx as moe_nnx
 from moe_jax.nn.init import expert_init, router_init
-from moe_jax.routing import route
+from moe_jax.routing import route, router_logits
 
 __all__ = [
     "DecoderConfig", "KVCache", "ModelOutput", "MixtralLinen", "MixtralNnx",
@@ -294,8 +294,7 @@ def _routing_record(h: jax.Array, router: jax.Array, bias, moe_cfg: MoEConfig):
     """The routing the MoE layer applies to h [B, S, D]: (expert_ids, weights)
     [B*S, k], weights renormalized to sum to 1."""
     tokens = h.reshape(-1, h.shape[-1]).astype(moe_cfg.dtype)
-    logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32))
-    r = route(logits, moe_cfg, bias)
+    r = route(router_logits(tokens, router, moe_cfg), moe_cfg, bias)
     return r.expert_ids, r.weights / jnp.sum(r.weights, axis=-1, keepdims=True)
 
 

@@ -197,14 +197,12 @@ def check_multiprocess(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None) -> No
     of one process: ``transport="custom_call"`` cannot cross processes, nor
     can the ragged strategy's all-to-all unless ``kernel_impl="reference"``
     (XLA:CPU has no ``lax.ragged_all_to_all``; the reference builds it from
-    an all-gather). The NVLink transport needs the GPUs of one process.
+    an all-gather). On GPUs every transport crosses processes (NCCL, or the
+    NVLink channels mapped through CUDA IPC handles).
     """
     if not spans_processes(mesh) or cfg.moe.strategy == "dense":
         return
     moe = cfg.moe
-    if moe.transport == "nvlink":
-        raise ValueError("transport: 'nvlink' needs the GPUs of one process; this mesh spans "
-                         "several processes (use 'lax' or 'custom_call')")
     if mesh.devices.flat[0].platform != "cpu":
         return
     if moe.transport == "custom_call":

@@ -8,4 +8,7 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxPackCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxCombineCuda);
 
+// Registered as "moe_jax_row_matmul" for platform "CUDA" (row_matmul_handler.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxRowMatmulCuda);
+
 #endif  // MOE_JAX_CUDA_HANDLERS_CUDA_H_

@@ -25,6 +25,8 @@ NB_MODULE(_ffi_cuda, m) {
         d["moe_jax_pack"] = nb::capsule(reinterpret_cast<void*>(MoeJaxPackCuda));
         d["moe_jax_combine"] =
             nb::capsule(reinterpret_cast<void*>(MoeJaxCombineCuda));
+        d["moe_jax_row_matmul"] =
+            nb::capsule(reinterpret_cast<void*>(MoeJaxRowMatmulCuda));
         const std::pair<const char*, void*> nvlink[] = {
             {"moe_jax_nvlink_dispatch", reinterpret_cast<void*>(MoeJaxNvlinkDispatch)},
             {"moe_jax_nvlink_combine", reinterpret_cast<void*>(MoeJaxNvlinkCombine)},

@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 
 #include "xla_ffi/handlers_cpu.h"
+#include "xla_ffi/row_matmul_cpu.h"
 
 namespace nb = nanobind;
 
@@ -25,6 +26,7 @@ NB_MODULE(_ffi_cpu, m) {
         d["moe_jax_pack"] = Capsule(MoeJaxPackCpu);
         d["moe_jax_combine"] = Capsule(MoeJaxCombineCpu);
         d["moe_jax_all_to_all"] = Capsule(MoeJaxAllToAllCpu);
+        d["moe_jax_row_matmul"] = Capsule(MoeJaxRowMatmulCpu);
         return d;
       },
       "Maps each custom-call target name to a capsule holding its handler.");

@@ -13,7 +13,11 @@ then a scan over decode steps with a fixed-length KV cache), and prints the
 tokens, the dispatch counters and the time. For cap_and_spill, C and S come
 from --capacity/--spill_capacity, else from the trace in --calibrate_from,
 else from a trace recorded by a first (ragged) run of the same prompts.
-Every strategy, transport and --ep size generates the same tokens.
+Every strategy, transport and --ep size generates the same tokens: the
+router and the experts multiply with moe_jax.row_invariant (--matmul), whose
+rows do not change bits with the number of rows in a call. With
+--matmul=xla (XLA's dots; on GPU their rounding depends on the row count)
+tokens can differ where two logits nearly tie.
 
 With --benchmark_steps=N it instead times the compiled generation of every
 method in --benchmark_methods (compilation and --benchmark_warmup runs
@@ -70,6 +74,9 @@ flags.DEFINE_enum("transport", "lax", list(TRANSPORTS),
 flags.DEFINE_enum("kernel_impl", "auto", ["auto", "custom_call", "reference"],
                   "Pack/combine as custom calls or their pure-JAX references (auto: "
                   "custom_call, except for the ragged strategy on a multi-process CPU mesh).")
+flags.DEFINE_enum("matmul", "row_invariant", ["row_invariant", "xla"],
+                  "Router and expert matmuls (MoEConfig.matmul): row_invariant gives every "
+                  "strategy and EP size the same bits; xla uses XLA's dots.")
 flags.DEFINE_integer("ep", None, "Expert-parallel ranks (devices on the mesh axis 'ep'; "
                      "default: all devices).")
 flags.DEFINE_integer("tokens", 24, "New tokens to generate per sequence.")
@@ -125,7 +132,7 @@ def build_config(**changes) -> DecoderConfig:
                                 num_heads=FLAGS.heads, num_layers=FLAGS.layers,
                                 num_experts=FLAGS.experts, top_k=FLAGS.top_k,
                                 ffn_size=FLAGS.ffn, max_len=FLAGS.prompt_len + FLAGS.tokens,
-                                **changes)
+                                matmul=FLAGS.matmul, **changes)
 
 
 def show_progress(units: int, long: int) -> bool:
@@ -383,12 +390,13 @@ def main(argv):
     base, params = load_params(base, mesh, ep)
     say(f"model: vocab={base.vocab_size} d_model={base.d_model} heads={base.num_heads} "
         f"layers={base.num_layers} experts={base.moe.num_experts} top_k={base.moe.top_k} "
-        f"ffn={base.moe.ffn_size} max_len={base.max_len}")
+        f"ffn={base.moe.ffn_size} max_len={base.max_len} matmul={base.moe.matmul}")
     prompts = make_prompts(base.vocab_size)
     setup = dict(platform=devices[0].platform, devices=len(devices), ep=ep,
                  num_processes=jax.process_count(),
                  variant=FLAGS.variant, batch=FLAGS.batch, prompt_len=FLAGS.prompt_len,
-                 new_tokens=FLAGS.tokens, seed=FLAGS.seed, vocab_size=base.vocab_size,
+                 new_tokens=FLAGS.tokens, matmul=FLAGS.matmul, seed=FLAGS.seed,
+                 vocab_size=base.vocab_size,
                  d_model=base.d_model, num_heads=base.num_heads, num_layers=base.num_layers,
                  num_experts=base.moe.num_experts, top_k=base.moe.top_k,
                  ffn_size=base.moe.ffn_size)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import moe_jax as mj
-from moe_testing import (ROUTINGS, bits, expected_rank_rows, needs_gpus, random_case, rel_error,
-                         run_dense, run_strategy)
+from moe_testing import (ROUTINGS, bits, expected_rank_rows, mesh_of, needs_gpus, random_case,
+                         rel_error, run_dense, run_strategy)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 HIDDEN, FFN = 256, 128
@@ -46,6 +46,28 @@ def test_rows_match_dense_on_gpus(ranks, strategy, capacity, spill, transport, k
                                       err_msg=f"rank {rank}: rows differ from dense")
     assert rel_error(out, ref_out) < 1e-2
     assert int(stats.rows) == ids.size
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("strategy, capacity, spill", CASES)
+@pytest.mark.parametrize("transport", ["lax", "custom_call", "nvlink"])
+def test_row_invariant_layer_output_is_the_dense_bits(ranks, strategy, capacity, spill,
+                                                      transport):
+    """With MoEConfig.matmul='row_invariant' the layer's output on `ranks`
+    GPUs is bitwise the output of 'dense' on one GPU."""
+    needs_gpus(ranks)
+    if transport == "nvlink" and strategy == "max_counts":
+        pytest.skip("max_counts pads by definition; the NVLink transport moves real rows")
+    config = mj.MoEConfig(hidden_size=HIDDEN, ffn_size=FFN, num_experts=2 * ranks, top_k=2,
+                          strategy=strategy, capacity=capacity, spill_capacity=spill,
+                          transport=transport, matmul="row_invariant")
+    params = mj.init_moe_params(jax.random.key(7), config)
+    x = jax.random.normal(jax.random.key(8 + ranks), (2, 24 * ranks, HIDDEN))
+    dense = config.replace(strategy="dense", transport="lax")
+    want = jax.jit(lambda p, x: mj.moe_layer(p, x, dense)[0])(params, x)
+    mesh = mesh_of(ranks, "gpu")
+    got = jax.jit(lambda p, x: mj.moe_layer(p, x, config, mesh)[0])(params, x)
+    np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
 
 
 def _run_script(name, *args, env=None, timeout=300):

@@ -11,7 +11,7 @@ from flax import nnx
 import moe_jax as mj
 from moe_jax.layer import init_moe_params, moe_layer
 from moe_jax.nn import linen as moe_linen, nnx as moe_nnx
-from moe_testing import mesh_of, rel_error
+from moe_testing import bits, mesh_of, rel_error
 
 CONFIG = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=2,
                       strategy="cap_and_spill", capacity=2, spill_capacity=1)
@@ -37,6 +37,18 @@ def test_layer_output_matches_float32_reference(ranks, strategy):
     assert rel_error(y.astype(jnp.float32), _reference(params, x)) < 2e-2
     assert int(aux.stats.rows) == x.shape[0] * x.shape[1] * CONFIG.top_k
     assert np.isfinite(float(aux.load_balance_loss)) and float(aux.load_balance_loss) >= 1.0 - 1e-5
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("strategy", ["max_counts", "cap_and_spill", "ragged"])
+def test_row_invariant_matmul_gives_every_strategy_the_dense_bits(ranks, strategy):
+    config = CONFIG.replace(strategy=strategy, matmul="row_invariant")
+    params = init_moe_params(jax.random.key(5), config)
+    x = jax.random.normal(jax.random.key(6 + ranks), (4, 8 * ranks, CONFIG.hidden_size))
+    dense = config.replace(strategy="dense")
+    want = jax.jit(lambda p, x: moe_layer(p, x, dense)[0])(params, x)
+    got = jax.jit(lambda p, x: moe_layer(p, x, config, _mesh(ranks))[0])(params, x)
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
 def test_sigmoid_grouped_router_layer():
@@ -109,6 +121,8 @@ def test_nnx_module_counts_calls_and_stats():
     (dict(router="sigmoid_grouped", num_groups=3), "num_groups"),
     (dict(router="sigmoid_grouped", num_groups=4, topk_groups=5), "topk_groups"),
     (dict(dtype=jnp.int32), "dtype"),
+    (dict(matmul="cublas"), "matmul"),
+    (dict(matmul="row_invariant", dtype=jnp.float16), "matmul"),
 ])
 def test_bad_config_names_argument(changes, argument):
     with pytest.raises(ValueError, match=rf"MoEConfig\.{argument}\b"):

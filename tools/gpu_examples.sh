@@ -77,22 +77,22 @@ example ep4_ragged_lax_record --ep=4 --strategy=ragged --transport=lax \
   --record_traces="$out/traces_ep4.jsonl"
 traces=(--calibrate_from="$out/traces_ep4.jsonl")
 
-# 2. Every strategy and transport at EP 1, 2, 4 (C and S from the trace).
-methods=(max_counts:lax max_counts:custom_call cap_and_spill:lax cap_and_spill:custom_call
-         ragged:lax ragged:custom_call)
-if [ "$platform" = cuda ]; then methods+=(cap_and_spill:nvlink ragged:nvlink); fi
+# 2. Every strategy and transport at EP 1, 2, 4 (C and S from the trace): one
+# process per EP size compiles and runs every method once and fails unless
+# they all generate the tokens of the first (dense); its tokens then meet
+# the reference's in step 6.
+once=(--benchmark_steps=1 --benchmark_warmup=1)
+methods=max_counts:lax,max_counts:custom_call,cap_and_spill:lax,cap_and_spill:custom_call
+methods+=,ragged:lax,ragged:custom_call
+nvlink_methods=
+if [ "$platform" = cuda ]; then nvlink_methods=,cap_and_spill:nvlink,ragged:nvlink; fi
 for ep in 1 2 4; do
-  example "ep${ep}_dense" --ep="$ep" --strategy=dense
-  for m in "${methods[@]}"; do
-    example "ep${ep}_${m%%:*}_${m##*:}" --ep="$ep" --strategy="${m%%:*}" --transport="${m##*:}" \
-      "${traces[@]}"
-  done
+  example "ep${ep}_all_methods" --ep="$ep" "${once[@]}" "${traces[@]}" \
+    --benchmark_methods="dense,$methods$([ "$ep" -gt 1 ] && echo "$nvlink_methods")"
 done
 # C = S = 1: the spill pass and the fallback run on every step.
-for t in lax custom_call $([ "$platform" = cuda ] && echo nvlink); do
-  example "ep4_cap_and_spill_${t}_C1S1" --ep=4 --strategy=cap_and_spill --transport="$t" \
-    --capacity=1 --spill_capacity=1
-done
+example ep4_all_transports_C1S1 --ep=4 "${once[@]}" --capacity=1 --spill_capacity=1 \
+  --benchmark_methods="cap_and_spill:lax,cap_and_spill:custom_call${nvlink_methods:+,cap_and_spill:nvlink}"
 example ep4_nnx_cap_and_spill_lax --ep=4 --variant=nnx --strategy=cap_and_spill "${traces[@]}"
 
 # 3. Checkpoint saved at EP=4, restored onto EP 2 and 1.
@@ -101,12 +101,13 @@ example ckpt_save_ep4 --ep=4 --strategy=ragged --checkpoint_dir="$out/ckpt"
 example ckpt_restore_ep2 --ep=2 --strategy=cap_and_spill --checkpoint_dir="$out/ckpt" "${traces[@]}"
 example ckpt_restore_ep1 --ep=1 --strategy=max_counts --checkpoint_dir="$out/ckpt"
 
-# 4. Four processes, one device each (jax.distributed).
-mp_methods=(max_counts:lax cap_and_spill:lax ragged:lax)
-if [ "$platform" = cuda ]; then mp_methods+=(max_counts:custom_call cap_and_spill:custom_call); fi
-for m in "${mp_methods[@]}"; do
-  launch "4proc_${m%%:*}_${m##*:}" --strategy="${m%%:*}" --transport="${m##*:}" "${traces[@]}"
-done
+# 4. Four processes, one device each (jax.distributed), every method that
+# crosses processes on this platform.
+mp_methods=max_counts:lax,cap_and_spill:lax,ragged:lax
+if [ "$platform" = cuda ]; then
+  mp_methods+=,max_counts:custom_call,cap_and_spill:custom_call,cap_and_spill:nvlink,ragged:nvlink
+fi
+launch 4proc_all_methods "${once[@]}" --benchmark_methods="$mp_methods" "${traces[@]}"
 
 # 5. Benchmarks with C and S calibrated from the trace.
 bench_methods=dense,max_counts:lax,cap_and_spill:lax,cap_and_spill:custom_call,ragged:lax
@@ -115,7 +116,7 @@ example bench_ep4 --ep=4 --benchmark_steps="${BENCH_STEPS:-50}" \
   --benchmark_methods="$bench_methods" --benchmark_out="$out/bench_ep4.json" "${traces[@]}"
 grep '^|' "$out/logs/bench_ep4.log" >"$out/bench_ep4.md"
 mp_bench=max_counts:lax,cap_and_spill:lax
-if [ "$platform" = cuda ]; then mp_bench+=,cap_and_spill:custom_call; fi
+if [ "$platform" = cuda ]; then mp_bench+=,cap_and_spill:custom_call,cap_and_spill:nvlink; fi
 launch bench_4proc --benchmark_steps="${BENCH_STEPS:-50}" --benchmark_methods="$mp_bench" \
   --benchmark_out="$out/bench_4proc.json" "${traces[@]}"
 grep '^|' "$out/launch/bench_4proc/process_0.log" >"$out/bench_4proc.md"

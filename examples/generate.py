@@ -69,7 +69,7 @@ from moe_jax.models.progress import Progress  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("strategy", "cap_and_spill", list(STRATEGIES), "MoE dispatch strategy.")
 flags.DEFINE_enum("transport", "lax", list(TRANSPORTS),
-                  "How buffers cross ranks (nvlink: GPUs of one process, strategies ragged "
+                  "How buffers cross ranks (nvlink: the GPUs of one host, strategies ragged "
                   "and cap_and_spill).")
 flags.DEFINE_enum("kernel_impl", "auto", ["auto", "custom_call", "reference"],
                   "Pack/combine as custom calls or their pure-JAX references (auto: "

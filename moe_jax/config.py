@@ -48,7 +48,8 @@ class MoEConfig:
         "custom_call" (moe_jax's own all-to-all custom call; on CPU it also
         gives the ragged strategy the ragged all-to-all XLA:CPU lacks) or
         "nvlink" (count-aware peer-to-peer kernels that move only the real
-        rows; GPUs of one process, strategies ragged and cap_and_spill).
+        rows; the GPUs of one host, in one process or one per GPU under
+        jax.distributed; strategies ragged and cap_and_spill).
       dispatch_fp8: with transport "nvlink", send tokens as e4m3 with one
         float32 scale per 128 elements (about half the bytes of bf16; see
         moe_jax.nvlink) and dequantize them to bf16 for the experts; the

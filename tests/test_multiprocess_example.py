@@ -79,6 +79,8 @@ def _fake_mesh(platform: str, processes):
 @pytest.mark.parametrize("changes, platform, argument", [
     (dict(strategy="max_counts", transport="custom_call"), "cpu", "transport"),
     (dict(strategy="ragged"), "cpu", "kernel_impl"),
+    (dict(strategy="ragged", transport="lax"), "gpu", "transport"),
+    (dict(strategy="ragged", transport="custom_call"), "gpu", "transport"),
 ])
 def test_check_multiprocess_names_the_argument(changes, platform, argument):
     cfg = DecoderConfig.create(**changes)

@@ -33,8 +33,8 @@ class DispatchContext:
     num_ranks: P, ranks along axis_name.
     transport: "lax" (XLA collectives), "custom_call" (moe_jax's own: the
       in-process all-to-all on CPU, NCCL on XLA's communicator on GPU) or
-      "nvlink" (count-aware peer-to-peer kernels, GPUs of one process;
-      strategies "ragged" and "cap_and_spill").
+      "nvlink" (count-aware peer-to-peer kernels, the GPUs of one host in
+      one or several processes; strategies "ragged" and "cap_and_spill").
     kernel_impl: "custom_call" or "reference" for pack / combine.
     platform: "cpu" or "gpu" (the platform the program is compiled for).
     mesh_devices: the mesh's devices in mesh order (needed by "nvlink").

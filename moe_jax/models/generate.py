@@ -197,13 +197,21 @@ def check_multiprocess(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None) -> No
     of one process: ``transport="custom_call"`` cannot cross processes, nor
     can the ragged strategy's all-to-all unless ``kernel_impl="reference"``
     (XLA:CPU has no ``lax.ragged_all_to_all``; the reference builds it from
-    an all-gather). On GPUs every transport crosses processes (NCCL, or the
-    NVLink channels mapped through CUDA IPC handles).
+    an all-gather). On GPUs the custom-call transports cross processes (NCCL,
+    or the NVLink channels mapped through CUDA IPC handles), but the ragged
+    strategy's ``lax.ragged_all_to_all`` (its GPU path with transport "lax"
+    or "custom_call") does not: XLA refuses the NCCL fallback it would need
+    between processes.
     """
     if not spans_processes(mesh) or cfg.moe.strategy == "dense":
         return
     moe = cfg.moe
     if mesh.devices.flat[0].platform != "cpu":
+        if moe.strategy == "ragged" and moe.transport != "nvlink":
+            raise ValueError("transport: the ragged strategy moves rows with XLA's GPU "
+                             "lax.ragged_all_to_all (transports 'lax' and 'custom_call'), "
+                             "which cannot cross processes (XLA refuses its NCCL fallback); "
+                             "use transport='nvlink' on a multi-process GPU mesh")
         return
     if moe.transport == "custom_call":
         raise ValueError("transport: the CPU all-to-all custom call is an in-process "

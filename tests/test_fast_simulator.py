@@ -52,9 +52,13 @@ def test_cpp_rows_give_same_time():
   t = workloads.zipf_matrix(rng, 48, 0.9, mean=1e6)
   d = cpp.schedule_arrays(t, 6, 8)
   rows = np.concatenate([d["transfers"], d["redistribution"]])
-  a = sim.fast_time_from_rows(rows, d["weights"].shape[0], 6, 8)
-  b = sim.fast_time(ref.fast_schedule(t, 6, 8))
-  assert a == pytest.approx(b)
+  for pipelined in (True, False):
+    a = sim.fast_time_from_rows(rows, d["weights"].shape[0], 6, 8,
+                                pipeline_balance=pipelined)
+    b = sim.fast_time(ref.fast_schedule(t, 6, 8), pipeline_balance=pipelined)
+    for key in ("total", "balance", "balance_exposed", "intra", "scale_out",
+                "redistribute"):
+      assert a[key] == pytest.approx(b[key])
 
 
 def test_spreadout_hand_example():

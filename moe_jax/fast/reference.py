@@ -354,6 +354,96 @@ def fast_schedule(traffic, num_servers: int, gpus_per_server: int) -> Schedule:
   return Schedule(n, m, t, d, padded, bound, mats, ws, real, stages)
 
 
+def first_stages(matchings: np.ndarray, real: np.ndarray,
+                 num_servers: int) -> np.ndarray:
+  """int64[n, n]: ``[a, b]`` = first BvN stage in which server ``a`` sends
+  real units to server ``b`` (-1 when it never does, e.g. ``a == b``).
+
+  ``matchings`` and ``real``: int64[S, n] as in ``Schedule``.
+  """
+  n = int(num_servers)
+  first = np.full((n, n), -1, np.int64)
+  for k in range(real.shape[0] - 1, -1, -1):
+    a = np.flatnonzero(real[k] > 0)
+    first[a, matchings[k, a]] = k
+  return first
+
+
+def balance_stage(transfer: Transfer, first: np.ndarray, m: int) -> int:
+  """BvN stage before which a balancing transfer must be done: the first
+  stage of its server pair (source server, flow's destination server)."""
+  return int(first[transfer.src_gpu // m, transfer.flow[1] // m])
+
+
+def balance_by_stage(schedule: Schedule) -> list[list[Transfer]]:
+  """The balancing phase split by the BvN stage it must precede.
+
+  Balancing of pair (a, b) only moves data that crosses the network from
+  ``a`` to ``b``, so it is due before the pair's first stage and may run
+  during earlier stages.  Returns ``S`` lists (``S`` = BvN stages); list
+  ``k`` holds, in their original order, the balancing transfers of the
+  pairs first carried in stage ``k``.  Together they are exactly the
+  transfers of the ``balance`` stage.
+  """
+  s, m = schedule.num_bvn_stages, schedule.gpus_per_server
+  first = first_stages(schedule.matchings, schedule.real, schedule.num_servers)
+  parts: list[list[Transfer]] = [[] for _ in range(s)]
+  for tr in _stage_of_kind(schedule, "balance").transfers:
+    parts[balance_stage(tr, first, m)].append(tr)
+  return parts
+
+
+def _stage_of_kind(schedule: Schedule, kind: str, bvn_index: int = -1
+                   ) -> Stage:
+  for st in schedule.stages:
+    if st.kind == kind and st.bvn_index == bvn_index:
+      return st
+  raise KeyError((kind, bvn_index))
+
+
+def pipelined_stages(schedule: Schedule, starts: Sequence[int] = (0,),
+                     order: Sequence[int] | None = None) -> list[Stage]:
+  """The schedule's transfers in a pipelined execution order.
+
+  ``order[i]``: the BvN stage run i-th (default: as built; any order is
+  valid, each stage moves what its GPUs hold after balancing).
+  ``starts``: chunk starts 0 = s_0 < s_1 < ... (positions in ``order``);
+  chunk j's balancing (pairs first carried at positions s_j .. s_{j+1} - 1)
+  runs concurrently with the scale-out at position s_j - 1, chunk 0 before
+  everything.  Returns ``balance`` (chunk 0), ``intra``, then per position
+  ``scale_out`` (with the next chunk's balancing, if one starts there) and
+  ``redistribute``.  Transfers of one stage run concurrently: a chunk's
+  balancing moves pairs that no earlier stage carries.
+  """
+  s = schedule.num_bvn_stages
+  order = list(range(s)) if order is None else [int(k) for k in order]
+  if sorted(order) != list(range(s)):
+    raise ValueError(f"order must be a permutation of range({s})")
+  starts = [int(x) for x in starts]
+  if s and (starts[0] != 0 or sorted(set(starts)) != starts or starts[-1] >= s):
+    raise ValueError(f"starts must rise from 0 below {s}, got {starts}")
+  pos = np.empty(s, np.int64)
+  pos[order] = np.arange(s)
+  real = schedule.real[order] if s else schedule.real
+  first = first_stages(schedule.matchings[order] if s else schedule.matchings,
+                       real, schedule.num_servers)
+  m = schedule.gpus_per_server
+  chunks: list[list[Transfer]] = [[] for _ in starts]
+  for tr in _stage_of_kind(schedule, "balance").transfers:
+    due = balance_stage(tr, first, m)
+    chunks[int(np.searchsorted(starts, due, side="right")) - 1].append(tr)
+  with_chunk = {st - 1: c for st, c in zip(starts[1:], chunks[1:])}
+  out = [Stage("balance", chunks[0]),
+         Stage("intra", list(_stage_of_kind(schedule, "intra").transfers))]
+  for i, k in enumerate(order):
+    tr = list(_stage_of_kind(schedule, "scale_out", k).transfers)
+    out.append(Stage("scale_out", tr + with_chunk.get(i, []), k))
+    out.append(Stage("redistribute",
+                     list(_stage_of_kind(schedule, "redistribute", k)
+                          .transfers), k))
+  return out
+
+
 def spreadout_time(matrix) -> int:
   """Classic SpreadOut on a square matrix: sum over shifts i=1..N-1 of
   ``max_s matrix[s, (s+i) % N]`` (the diagonal is local, not counted)."""

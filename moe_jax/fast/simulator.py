@@ -96,19 +96,38 @@ def schedule_rows(schedule: ref.Schedule) -> np.ndarray:
   return np.asarray(out, np.int64).reshape(-1, 6)
 
 
-def fast_time_from_rows(rows, num_stages: int, num_servers: int,
-                        gpus_per_server: int, fabric: Fabric = Fabric()
-                        ) -> dict:
-  """Completion time of a FAST schedule under the paper's pipeline (Fig. 11).
+def _rows_cost(link: Link, rows: np.ndarray, num_gpus: int) -> float:
+  """One step of ``rows`` (int[K, 6]) on ``link``."""
+  sent = np.bincount(rows[:, 1], rows[:, 3], minlength=num_gpus)
+  recv = np.bincount(rows[:, 2], rows[:, 3], minlength=num_gpus)
+  return _step_cost(link, sent, recv)
 
-  Balancing first; scale-out stages back to back after it; the intra-server
-  part starts with the first scale-out stage; redistribution of stage k
-  starts when stage k's scale-out and the previous scale-up work are done
-  (scale-up work is serialised, scale-out overlaps it).  Returns dict with
-  ``total``, ``balance``, ``intra``, ``scale_out`` (sum of stage costs) and
-  ``redistribute`` (sum), in seconds.
-  """
-  g = num_servers * gpus_per_server
+
+def first_stages_from_rows(rows, num_servers: int, gpus_per_server: int
+                           ) -> np.ndarray:
+  """int64[n, n]: first BvN stage with a scale-out row from server ``a`` to
+  server ``b`` (-1 when none); ``reference.first_stages`` from rows."""
+  rows = np.asarray(rows, np.int64).reshape(-1, 6)
+  n, m = num_servers, gpus_per_server
+  out = rows[(rows[:, 0] >= 2) & (rows[:, 0] % 2 == 0)]
+  first = np.full(n * n, np.iinfo(np.int64).max)
+  np.minimum.at(first, out[:, 1] // m * n + out[:, 2] // m, (out[:, 0] - 2) // 2)
+  first[first == np.iinfo(np.int64).max] = -1
+  return first.reshape(n, n)
+
+
+def balance_stages_from_rows(rows, num_servers: int, gpus_per_server: int
+                             ) -> np.ndarray:
+  """int64[K]: for each balancing row (stage 0), the BvN stage it must
+  precede (its server pair's first stage); -1 for every other row."""
+  rows = np.asarray(rows, np.int64).reshape(-1, 6)
+  m = gpus_per_server
+  first = first_stages_from_rows(rows, num_servers, m)
+  due = first[rows[:, 1] // m, rows[:, 5] // m]
+  return np.where(rows[:, 0] == 0, due, -1)
+
+
+def _sequential_time(rows, num_stages, g, fabric) -> dict:
   sent, recv = stage_loads(rows, num_stages, g)
   up, out = fabric.scale_up, fabric.scale_out
   t_bal = _step_cost(up, sent[0], recv[0])
@@ -123,15 +142,230 @@ def fast_time_from_rows(rows, num_stages: int, num_servers: int,
     up_free = max(out_end, up_free) + c_red
     so += c_out
     red += c_red
-  return {"total": max(out_end, up_free), "balance": t_bal, "intra": t_intra,
-          "scale_out": so, "redistribute": red}
+  return {"total": max(out_end, up_free), "balance": t_bal,
+          "balance_exposed": t_bal, "intra": t_intra, "scale_out": so,
+          "redistribute": red}
 
 
-def fast_time(schedule: ref.Schedule, fabric: Fabric = Fabric()) -> dict:
+def _window_scale_up_costs(rows, due, num_stages, g, up: Link) -> np.ndarray:
+  """float64[S + 1]: scale-up cost of window k < S (balancing due before
+  stage k + 1, redistribution of stage k - 1, intra in window 0) and, at
+  index S, of the exposed last redistribution.  Parts of a window share
+  each GPU's port; every non-empty part pays its own alpha."""
+  st = rows[:, 0]
+  is_red = (st >= 3) & (st % 2 == 1)
+  window = np.full(st.shape, -1, np.int64)
+  window[st == 0] = due[st == 0] - 1  # due 0 is the exposed head
+  window[st == 1] = 0
+  window[is_red] = (st[is_red] - 3) // 2 + 1
+  part = np.select([st == 0, st == 1], [0, 1], 2)
+  keep = window >= 0
+  rows, window, part = rows[keep], window[keep], part[keep]
+  slots = num_stages + 1
+  sent = np.bincount(window * g + rows[:, 1], rows[:, 3], slots * g)
+  recv = np.bincount(window * g + rows[:, 2], rows[:, 3], slots * g)
+  peak = np.maximum(sent, recv).reshape(slots, g).max(axis=1)
+  parts = np.zeros((slots, 3), bool)
+  parts[window, part] = True
+  return parts.sum(axis=1) * up.alpha_s + peak / up.bandwidth_Bps
+
+
+def _windows_time(rows, num_stages, num_servers, m, fabric) -> dict:
+  """Per-stage windows (``pipeline_balance="windows"``)."""
+  g = num_servers * m
+  up, out = fabric.scale_up, fabric.scale_out
+  seq = _sequential_time(rows, num_stages, g, fabric)
+  if num_stages == 0:
+    return dict(seq, total=seq["intra"], balance_starts=[])
+  due = balance_stages_from_rows(rows, num_servers, m)
+  head = _rows_cost(up, rows[(rows[:, 0] == 0) & (due == 0)], g)
+  c_up = _window_scale_up_costs(rows, due, num_stages, g, up)
+  c_out = _scale_out_costs(rows, num_stages, g, out)
+  windows = np.maximum(c_out, c_up[:num_stages])
+  return dict(seq, total=head + float(windows.sum()) + float(c_up[-1]),
+              balance_exposed=head, balance_starts=list(range(num_stages)))
+
+
+def _scale_out_costs(rows, num_stages, g, out: Link) -> np.ndarray:
+  sent, recv = stage_loads(rows, num_stages, g)
+  return np.array([_step_cost(out, sent[2 + 2 * k], recv[2 + 2 * k])
+                   for k in range(num_stages)])
+
+
+def _chunk_costs(rows, due, starts, g, up: Link) -> np.ndarray:
+  """float64[J]: scale-up cost of balancing chunk j (pairs due in stages
+  ``starts[j] <= k < starts[j + 1]``) as one step."""
+  bal = rows[rows[:, 0] == 0]
+  chunk = np.searchsorted(starts, due[rows[:, 0] == 0], side="right") - 1
+  j = len(starts)
+  sent = np.bincount(chunk * g + bal[:, 1], bal[:, 3], j * g).reshape(j, g)
+  recv = np.bincount(chunk * g + bal[:, 2], bal[:, 3], j * g).reshape(j, g)
+  return np.array([_step_cost(up, sent[i], recv[i]) for i in range(j)])
+
+
+def _chunked_time_at(starts, rows, due, c_out, c_red, t_intra, g, up
+                     ) -> tuple[float, float]:
+  """(total, exposed head) with balancing chunks starting at ``starts``."""
+  c_bal = _chunk_costs(rows, due, starts, g, up)
+  done = np.cumsum(c_bal)  # chunks back to back on the scale-up port
+  chunk_of = np.searchsorted(starts, np.arange(len(c_out)), side="right") - 1
+  out_end = 0.0
+  ends = np.empty(len(c_out))
+  for k, c in enumerate(c_out):
+    out_end = max(out_end, done[chunk_of[k]]) + c
+    ends[k] = out_end
+  up_free = done[-1] + t_intra
+  for k, c in enumerate(c_red):
+    up_free = max(ends[k], up_free) + c
+  return max(out_end, up_free), float(c_bal[0])
+
+
+def candidate_starts(num_stages: int) -> list[np.ndarray]:
+  """Chunkings tried: one chunk (the sequential schedule) and geometric
+  chunk starts ``0, floor(c r^j)`` for a few first stages c and ratios r."""
+  cands = [np.zeros(1, np.int64)]
+  for c in (1, 2, 4, 8):
+    for r in (1.25, 1.5, 2.0, 3.0, 4.0):
+      pts = [0]
+      x = float(c)
+      while int(x) < num_stages:
+        if int(x) > pts[-1]:
+          pts.append(int(x))
+        x *= r
+      cands.append(np.asarray(pts, np.int64))
+  return cands
+
+
+def pair_balance_costs(rows, num_servers: int, gpus_per_server: int,
+                       up: Link) -> np.ndarray:
+  """float64[n, n]: scale-up cost of pair (a, b)'s balancing as one step."""
+  n, m = num_servers, gpus_per_server
+  bal = rows[rows[:, 0] == 0]
+  pair = bal[:, 1] // m * n + bal[:, 5] // m
+  g = n * m
+  sent = np.bincount(pair * g + bal[:, 1], bal[:, 3], n * n * g)
+  recv = np.bincount(pair * g + bal[:, 2], bal[:, 3], n * n * g)
+  peak = np.maximum(sent, recv).reshape(n * n, g).max(axis=1)
+  return np.where(peak > 0, up.alpha_s + peak / up.bandwidth_Bps,
+                  0.0).reshape(n, n)
+
+
+def light_balance_first_order(rows, num_stages: int, num_servers: int,
+                              gpus_per_server: int, up: Link) -> np.ndarray:
+  """int64[S]: BvN stages by ascending heaviest pair balancing (ties in
+  stage order), so the stages that need little balancing run first and
+  the heavy balancing overlaps their scale-out.  Any order of BvN stages
+  is a valid schedule (each stage moves what its GPUs hold after
+  balancing)."""
+  n, m = num_servers, gpus_per_server
+  cost = pair_balance_costs(rows, n, m, up)
+  out = rows[(rows[:, 0] >= 2) & (rows[:, 0] % 2 == 0)]
+  need = np.zeros(num_stages)
+  np.maximum.at(need, (out[:, 0] - 2) // 2,
+                cost[out[:, 1] // m, out[:, 2] // m])
+  return np.argsort(need, kind="stable")
+
+
+def reorder_stages(rows, order) -> np.ndarray:
+  """Rows with BvN stage ``order[i]`` relabelled as stage ``i`` (scale-out
+  and redistribution alike); balancing and intra rows unchanged."""
+  rows = np.array(rows, np.int64).reshape(-1, 6)
+  pos = np.empty(len(order), np.int64)
+  pos[np.asarray(order, np.int64)] = np.arange(len(order))
+  bvn = rows[:, 0] >= 2
+  k = (rows[bvn, 0] - 2) // 2
+  rows[bvn, 0] = 2 + 2 * pos[k] + (rows[bvn, 0] - 2) % 2
+  return rows
+
+
+def _chunked_time(rows, num_stages, num_servers, m, fabric) -> dict:
+  """Chunked pipelined balancing (``pipeline_balance=True``): the least
+  total over the stage orders (as built, light balancing first) and the
+  chunkings of ``candidate_starts``."""
+  g = num_servers * m
+  up = fabric.scale_up
+  seq = _sequential_time(rows, num_stages, g, fabric)
+  if num_stages == 0:
+    return dict(seq, balance_starts=[0], stage_order=[])
+  best = None
+  for order in (np.arange(num_stages),
+                light_balance_first_order(rows, num_stages, num_servers, m,
+                                          up)):
+    ordered = reorder_stages(rows, order)
+    due = balance_stages_from_rows(ordered, num_servers, m)
+    c_out = _scale_out_costs(ordered, num_stages, g, fabric.scale_out)
+    sent, recv = stage_loads(ordered, num_stages, g)
+    c_red = [_step_cost(up, sent[3 + 2 * k], recv[3 + 2 * k])
+             for k in range(num_stages)]
+    for starts in candidate_starts(num_stages):
+      total, head = _chunked_time_at(starts, ordered, due, c_out, c_red,
+                                     seq["intra"], g, up)
+      if best is None or total < best[0]:
+        best = (total, head, starts, order)
+  total, head, starts, order = best
+  return dict(seq, total=total, balance_exposed=head,
+              balance_starts=starts.tolist(), stage_order=order.tolist())
+
+
+def fast_time_from_rows(rows, num_stages: int, num_servers: int,
+                        gpus_per_server: int, fabric: Fabric = Fabric(),
+                        pipeline_balance: bool | str = True) -> dict:
+  """Completion time of a FAST schedule, in seconds.
+
+  ``rows``: int[K, 6] as in ``stage_loads``; ``num_stages``: BvN stages S.
+  Every model charges each step ``alpha + busiest port / bandwidth``; the
+  intra-server part is one scale-up step next to the first scale-out stage.
+
+  ``pipeline_balance=False`` (sequential, the paper's Fig. 11): all
+  balancing as one step first; scale-out stages back to back after it;
+  redistribution of stage k starts when stage k's scale-out and the
+  previous scale-up work are done (scale-up work is serialised, scale-out
+  overlaps it).
+
+  ``pipeline_balance=True`` (chunked): the balancing of server pair (a, b)
+  is only due before the pair's first BvN stage
+  (``balance_stages_from_rows``).  The stages are cut into chunks at
+  ``starts`` (0 = s_0 < s_1 < ...); chunk j's balancing (pairs due in
+  stages s_j .. s_{j+1} - 1) is one scale-up step, the chunks run back to
+  back on the scale-up port from time 0, and scale-out stage k waits for
+  the chunk holding its pairs (chunk 0 is exposed).  Then the intra-server
+  part and the redistributions follow on the scale-up port as in the
+  sequential model.  One chunk is exactly the sequential model; the
+  chunking with the least total among ``candidate_starts`` is used and
+  returned, so the result is never above the sequential one.
+
+  ``pipeline_balance="windows"``: per-stage windows; the balancing due
+  before stage 0 is exposed, window k = 0 .. S-1 costs ``max(scale-out of
+  stage k, scale-up step of {balancing due before stage k + 1,
+  redistribution of stage k - 1, intra if k == 0})`` (shared per-GPU
+  ports, one alpha per non-empty part), the last redistribution is
+  exposed.  Splitting the balancing per stage gives up the aggregation of
+  one step (each stage pays its own busiest GPU), and a window cannot use
+  the slack of another, so on skewed traffic this is slower than both.
+
+  Returns dict with ``total``, ``balance`` (cost of the whole balancing as
+  one step), ``balance_exposed`` (the balancing before the first scale-out:
+  all of it sequentially, chunk 0 pipelined), ``intra``, ``scale_out`` (sum
+  of stage costs), ``redistribute`` (sum of stage costs), and, pipelined,
+  ``balance_starts`` (the chunk starts used) and ``stage_order``
+  (``stage_order[i]`` = the BvN stage run i-th).
+  """
+  rows = np.asarray(rows, np.int64).reshape(-1, 6)
+  g = num_servers * gpus_per_server
+  if pipeline_balance == "windows":
+    return _windows_time(rows, num_stages, num_servers, gpus_per_server,
+                         fabric)
+  if not pipeline_balance:
+    return _sequential_time(rows, num_stages, g, fabric)
+  return _chunked_time(rows, num_stages, num_servers, gpus_per_server, fabric)
+
+
+def fast_time(schedule: ref.Schedule, fabric: Fabric = Fabric(),
+              pipeline_balance: bool = True) -> dict:
   """``fast_time_from_rows`` of a reference Schedule."""
   return fast_time_from_rows(schedule_rows(schedule), schedule.num_bvn_stages,
                              schedule.num_servers, schedule.gpus_per_server,
-                             fabric)
+                             fabric, pipeline_balance)
 
 
 def spreadout_time(traffic, num_servers: int, gpus_per_server: int,

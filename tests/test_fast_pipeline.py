@@ -1,6 +1,8 @@
 """Pipelined balancing: per-stage balancing of the FAST schedule and the
 simulator's pipelined completion time."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -63,9 +65,9 @@ def test_pipelined_time_between_bound_and_sequential(case):
   t, n, m = case
   t = t * 1000  # bytes, so alphas do not dominate
   s = ref.fast_schedule(t, n, m)
-  for fabric in FABRICS:
-    seq = sim.fast_time(s, fabric, pipeline_balance=False)
-    pipe = sim.fast_time(s, fabric)
+  for fabric, ports in itertools.product(FABRICS, sim.PORT_MODELS):
+    seq = sim.fast_time(s, fabric, pipeline_balance=False, ports=ports)
+    pipe = sim.fast_time(s, fabric, ports=ports)
     bound = sim.bound_time(t, n, m, fabric)
     assert pipe["total"] <= seq["total"] * (1 + 1e-12)
     assert pipe["total"] >= bound * (1 - 1e-12)
@@ -95,7 +97,8 @@ def test_one_chunk_is_the_sequential_model():
   t = workloads.zipf_matrix(rng, 32, 0.9, mean=1e6)
   rows = sim.schedule_rows(ref.fast_schedule(t, 4, 8))
   s = int(rows[:, 0].max() - 2) // 2 + 1
-  seq = sim.fast_time_from_rows(rows, s, 4, 8, pipeline_balance=False)
+  seq = sim.fast_time_from_rows(rows, s, 4, 8, pipeline_balance=False,
+                                ports="shared")
   due = sim.balance_stages_from_rows(rows, 4, 8)
   c_out = sim._scale_out_costs(rows, s, 32, sim.IB_400G)
   sent, recv = sim.stage_loads(rows, s, 32)
@@ -104,6 +107,11 @@ def test_one_chunk_is_the_sequential_model():
   total, head = sim._chunked_time_at(np.zeros(1, np.int64), rows, due, c_out,
                                      c_red, seq["intra"], 32, sim.NVLINK_H200)
   assert total == pytest.approx(seq["total"])
+  assert head == pytest.approx(seq["balance"])
+  duplex = sim.fast_time_from_rows(rows, s, 4, 8, pipeline_balance=False)
+  total, head = sim._duplex_time_at(np.zeros(1, np.int64), rows, due,
+                                    (sent, recv), c_out, 32, sim.Fabric())
+  assert total == pytest.approx(duplex["total"])
   assert head == pytest.approx(seq["balance"])
 
 

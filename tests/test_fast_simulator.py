@@ -77,3 +77,104 @@ def test_bad_arguments():
     sim.Link(-1, 1e9)
   with pytest.raises(ValueError, match="incast_efficiency"):
     sim.direct_time(np.zeros((2, 2), int), 2, 1, incast_efficiency=0)
+
+
+# Duplex ports: 1 GB over 100 GB/s = 10 ms, alpha 1 us.
+LINK = sim.Link(1e-6, 100e9)
+ONE_GB = 1e9
+
+
+def _bytes(g, **at):
+  out = np.zeros(g)
+  for k, v in at.items():
+    out[int(k[1:])] = v
+  return out
+
+
+def test_duplex_send_only_and_receive_only_steps_overlap():
+  # Step A: GPU 0 sends to 1; step B: GPU 2 sends to 0.  GPU 0 sends in A
+  # and receives in B (different directions), so both end at 10 ms.
+  ports = sim.DuplexPorts(3, LINK)
+  a = ports.step(_bytes(3, g0=ONE_GB), _bytes(3, g1=ONE_GB), 0.0)
+  b = ports.step(_bytes(3, g2=ONE_GB), _bytes(3, g0=ONE_GB), 0.0)
+  assert a == pytest.approx(1e-6 + 1e-2)
+  assert b == pytest.approx(1e-6 + 1e-2)
+
+
+def test_duplex_same_gpu_sending_twice_queues():
+  ports = sim.DuplexPorts(3, LINK)
+  ports.step(_bytes(3, g0=ONE_GB), _bytes(3, g1=ONE_GB), 0.0)
+  b = ports.step(_bytes(3, g0=ONE_GB), _bytes(3, g2=ONE_GB), 0.0)
+  assert b == pytest.approx(2 * (1e-6 + 1e-2))
+
+
+def test_duplex_step_waits_for_ready_and_empty_step_is_free():
+  ports = sim.DuplexPorts(2, LINK)
+  assert ports.step(np.zeros(2), np.zeros(2), 3.0) == 3.0
+  end = ports.step(_bytes(2, g0=ONE_GB), _bytes(2, g1=ONE_GB), 0.5)
+  assert end == pytest.approx(0.5 + 1e-6 + 1e-2)
+  # An isolated step costs alpha + max(sent, received) / bandwidth.
+  fresh = sim.DuplexPorts(2, LINK)
+  sent, recv = _bytes(2, g0=3 * ONE_GB, g1=ONE_GB), _bytes(2, g0=ONE_GB,
+                                                          g1=3 * ONE_GB)
+  assert fresh.step(sent, recv, 0.0) == pytest.approx(
+      sim._step_cost(LINK, sent, recv))
+
+
+def test_duplex_overlaps_balancing_with_redistribution_on_zipf():
+  # Zipf 0.9 over all entries, 4 servers x 8 GPUs: hot senders' balancing
+  # and hot receivers' redistribution use different ports.
+  t = workloads.zipf_matrix(np.random.default_rng(0), 32, 0.9, mean=50e6)
+  s = ref.fast_schedule(t, 4, 8)
+  duplex = sim.fast_time(s)["total"]
+  shared = sim.fast_time(s, ports="shared")["total"]
+  assert duplex < 0.95 * shared
+  assert duplex >= sim.two_tier_bound_time(t, 4, 8)
+
+
+@given(cases())
+def test_duplex_never_slower_than_shared(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  for pipelined in (True, False):
+    duplex = sim.fast_time(s, pipeline_balance=pipelined)["total"]
+    shared = sim.fast_time(s, pipeline_balance=pipelined,
+                           ports="shared")["total"]
+    assert duplex <= shared * (1 + 1e-12)
+
+
+@given(cases())
+def test_two_tier_bound_below_every_schedule(case):
+  t, n, m = case
+  for fabric in (sim.Fabric(), sim.Fabric(sim.NVLINK_H100, sim.ETH_400G),
+                 sim.Fabric(sim.Link(2e-6, 60e9), sim.IB_400G), IDEAL):
+    lb = sim.two_tier_bound_time(t, n, m, fabric)
+    assert lb >= sim.bound_time(t, n, m, fabric)
+    s = ref.fast_schedule(t, n, m)
+    times = [sim.fast_time(s, fabric, pipeline_balance=p, ports=ports)["total"]
+             for p in (True, False) for ports in sim.PORT_MODELS]
+    times += [sim.fast_time(s, fabric, pipeline_balance="windows")["total"],
+              sim.spreadout_time(t, n, m, fabric),
+              sim.direct_time(t, n, m, fabric)]
+    for x in times:
+      assert x >= lb * (1 - 1e-12)
+
+
+def test_two_tier_bound_counts_scale_up_ports():
+  # 1 server x 2 GPUs: no inter-server bytes, so the bound is 0, but GPU 0's
+  # 1 GB to GPU 1 must cross its scale-up port.
+  t = np.array([[0, 10**9], [0, 0]])
+  f = sim.Fabric(LINK, sim.IB_400G)
+  assert sim.bound_time(t, 1, 2, f) == 0
+  assert sim.two_tier_bound_time(t, 1, 2, f) == pytest.approx(1e-2)
+  # 2 servers x 1 GPU with slow scale-out: a GPU's sends need both ports.
+  t = np.array([[0, 10**9], [0, 0]])
+  f = sim.Fabric(sim.Link(0, 150e9), sim.Link(0, 50e9))
+  assert sim.two_tier_bound_time(t, 2, 1, f) == pytest.approx(
+      sim.bound_time(t, 2, 1, f))
+
+
+def test_bad_port_model():
+  t = np.zeros((2, 2), np.int64)
+  with pytest.raises(ValueError, match="ports"):
+    sim.fast_time(ref.fast_schedule(t, 2, 1), ports="full")

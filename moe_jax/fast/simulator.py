@@ -7,6 +7,25 @@ Every GPU has one scale-up port and one scale-out NIC, each full duplex; a
 step's cost on a tier is ``alpha + max over GPUs of max(sent, received) /
 bandwidth`` (zero when the step moves nothing on that tier).
 
+Steps that overlap in time (FAST's balancing, intra-server part and
+redistributions on the scale-up tier) are charged by one of two port models
+(``ports=``):
+
+* ``"duplex"`` (default): every GPU has four ports, scale-up send, scale-up
+  receive, NIC send, NIC receive, each with its own free time
+  (``DuplexPorts``).  A step ready at time ``r`` occupies each port it uses
+  from ``max(r, port free)`` for ``alpha + bytes / bandwidth`` and ends with
+  its last port; work on different GPUs, or on the two directions of one
+  GPU, overlaps, work on one port queues in issue order.  An isolated step
+  costs ``alpha + max over GPUs of max(sent, received) / bandwidth``.  The
+  model couples a transfer's two ports only through its step's end, so it
+  is the per-port (fluid) optimum of each step, not a flow-level schedule.
+* ``"shared"``: one timeline per tier: scale-up steps run back to back
+  whatever GPUs and directions they use (the earlier model).
+
+Both tiers' stages of one schedule (FAST's BvN scale-out stages, SpreadOut's
+stages) stay synchronous: a stage starts when the previous one has ended.
+
 Link defaults (bandwidths as in the paper; the paper gives no value for the
 wake-up delay, so the ``alpha`` values are our assumptions):
 
@@ -51,6 +70,9 @@ IB_400G = Link(5e-6, 50e9)
 ETH_400G = Link(10e-6, 50e9)
 
 
+PORT_MODELS = ("duplex", "shared")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fabric:
   scale_up: Link = NVLINK_H200
@@ -68,6 +90,70 @@ def bound_time(traffic, num_servers: int, gpus_per_server: int,
   (row/column sum of the server matrix) spread over its ``M`` NICs."""
   lb = ref.lower_bounds(traffic, num_servers, gpus_per_server)["server"]
   return lb / (gpus_per_server * fabric.scale_out.bandwidth_Bps)
+
+
+def two_tier_bound_time(traffic, num_servers: int, gpus_per_server: int,
+                        fabric: Fabric = Fabric()) -> float:
+  """A lower bound (s) that also counts the scale-up ports.
+
+  ``max(bound_time, max over GPUs g and directions of
+  max(I_g / B_up, X_g / (B_up + B_out)))``, where ``X_g`` is the bytes GPU
+  ``g`` sends to (receives from) other GPUs, ``I_g`` the part of it to
+  (from) GPUs of its own server, ``B_up`` / ``B_out`` the scale-up /
+  scale-out bandwidths per GPU and direction.  Alphas are left out.
+
+  Why no schedule on this fabric finishes in less time ``T``, for any
+  routing of inter-server bytes (relayed through any GPUs and servers) as
+  long as intra-server bytes stay on the scale-up tier (true of FAST,
+  SpreadOut and direct):
+
+  * ``bound_time``: every inter-server byte of server ``a`` leaves ``a``
+    through one of its ``M`` NIC send ports (enters through a NIC receive
+    port), which carry at most ``M B_out T`` bytes in ``T``.
+  * ``I_g / B_up``: the ``I_g`` intra-server bytes leave ``g`` (enter ``g``)
+    through its scale-up send (receive) port, which carries at most
+    ``B_up T``.
+  * ``X_g / (B_up + B_out)``: a GPU's only ports are its scale-up and NIC
+    ports, so its ``X_g`` bytes leave (enter) through them:
+    ``X_g <= B_up T + B_out T``.  (Bytes relayed through ``g`` only add to
+    both ports' loads.)
+  """
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server).astype(float)
+  m = gpus_per_server
+  srv = np.arange(t.shape[0]) // m
+  off = t.copy()
+  np.fill_diagonal(off, 0.0)
+  intra = np.where(srv[:, None] == srv[None, :], off, 0.0)
+  up, out = fabric.scale_up.bandwidth_Bps, fabric.scale_out.bandwidth_Bps
+  per_gpu = max(float(np.max(off.sum(axis=ax), initial=0.0))
+                for ax in (0, 1)) / (up + out)
+  intra_only = max(float(np.max(intra.sum(axis=ax), initial=0.0))
+                   for ax in (0, 1)) / up
+  return max(bound_time(t, num_servers, m, fabric), per_gpu, intra_only)
+
+
+class DuplexPorts:
+  """Send and receive free times (s) of every GPU's port on one tier."""
+
+  def __init__(self, num_gpus: int, link: Link):
+    self.link = link
+    self.send_free = np.zeros(num_gpus)
+    self.recv_free = np.zeros(num_gpus)
+
+  def _occupy(self, free: np.ndarray, nbytes: np.ndarray, ready: float
+              ) -> float:
+    used = nbytes > 0
+    if not used.any():
+      return ready
+    free[used] = (np.maximum(free[used], ready) + self.link.alpha_s
+                  + nbytes[used] / self.link.bandwidth_Bps)
+    return float(free[used].max())
+
+  def step(self, sent: np.ndarray, recv: np.ndarray, ready: float) -> float:
+    """End time (s) of a step ready at ``ready`` that sends ``sent[g]`` and
+    receives ``recv[g]`` bytes (float[G]) per GPU; ``ready`` when empty."""
+    return max(self._occupy(self.send_free, sent, ready),
+               self._occupy(self.recv_free, recv, ready))
 
 
 def stage_loads(rows: np.ndarray, num_stages: int, num_gpus: int
@@ -192,15 +278,45 @@ def _scale_out_costs(rows, num_stages, g, out: Link) -> np.ndarray:
                    for k in range(num_stages)])
 
 
-def _chunk_costs(rows, due, starts, g, up: Link) -> np.ndarray:
-  """float64[J]: scale-up cost of balancing chunk j (pairs due in stages
-  ``starts[j] <= k < starts[j + 1]``) as one step."""
+def _chunk_loads(rows, due, starts, g) -> tuple[np.ndarray, np.ndarray]:
+  """float64[J, G] sent and received balancing bytes of chunk j (pairs due
+  in stages ``starts[j] <= k < starts[j + 1]``) per GPU."""
   bal = rows[rows[:, 0] == 0]
   chunk = np.searchsorted(starts, due[rows[:, 0] == 0], side="right") - 1
   j = len(starts)
   sent = np.bincount(chunk * g + bal[:, 1], bal[:, 3], j * g).reshape(j, g)
   recv = np.bincount(chunk * g + bal[:, 2], bal[:, 3], j * g).reshape(j, g)
-  return np.array([_step_cost(up, sent[i], recv[i]) for i in range(j)])
+  return sent, recv
+
+
+def _chunk_costs(rows, due, starts, g, up: Link) -> np.ndarray:
+  """float64[J]: scale-up cost of balancing chunk j as one step."""
+  sent, recv = _chunk_loads(rows, due, starts, g)
+  return np.array([_step_cost(up, sent[i], recv[i])
+                   for i in range(len(starts))])
+
+
+def _duplex_time_at(starts, rows, due, loads, c_out, g, fabric
+                    ) -> tuple[float, float]:
+  """(total, exposed head) of the chunked schedule on ``DuplexPorts``.
+
+  ``loads``: ``stage_loads`` of ``rows``; ``c_out``: float[S] scale-out
+  stage costs.  Issue order on the scale-up ports: balancing chunks (ready
+  at 0), the intra-server part (ready at 0), then redistribution k, ready
+  when scale-out stage k ends; scale-out stage k starts when stage k - 1
+  has ended and chunk ``chunk_of[k]`` is done.
+  """
+  sent, recv = loads
+  up = DuplexPorts(g, fabric.scale_up)
+  bal_sent, bal_recv = _chunk_loads(rows, due, starts, g)
+  done = [up.step(bal_sent[j], bal_recv[j], 0.0) for j in range(len(starts))]
+  end = up.step(sent[1], recv[1], 0.0)
+  chunk_of = np.searchsorted(starts, np.arange(len(c_out)), side="right") - 1
+  out_end = 0.0
+  for k, c in enumerate(c_out):
+    out_end = max(out_end, done[chunk_of[k]]) + c
+    end = max(end, up.step(sent[3 + 2 * k], recv[3 + 2 * k], out_end))
+  return max(end, out_end, max(done)), float(done[0])
 
 
 def _chunked_time_at(starts, rows, due, c_out, c_red, t_intra, g, up
@@ -278,15 +394,20 @@ def reorder_stages(rows, order) -> np.ndarray:
   return rows
 
 
-def _chunked_time(rows, num_stages, num_servers, m, fabric) -> dict:
-  """Chunked pipelined balancing (``pipeline_balance=True``): the least
-  total over the stage orders (as built, light balancing first) and the
-  chunkings of ``candidate_starts``."""
+def _chunked_time(rows, num_stages, num_servers, m, fabric,
+                  ports: str = "duplex", candidates=None) -> dict:
+  """Chunked pipelined balancing: the least total over the stage orders
+  (as built, light balancing first) and the chunkings ``candidates``
+  (default ``candidate_starts``) on the ``ports`` model."""
   g = num_servers * m
   up = fabric.scale_up
   seq = _sequential_time(rows, num_stages, g, fabric)
   if num_stages == 0:
-    return dict(seq, balance_starts=[0], stage_order=[])
+    return dict(seq, total=max(seq["balance"], seq["intra"])
+                if ports == "duplex" else seq["total"],
+                balance_starts=[0], stage_order=[])
+  if candidates is None:
+    candidates = candidate_starts(num_stages)
   best = None
   for order in (np.arange(num_stages),
                 light_balance_first_order(rows, num_stages, num_servers, m,
@@ -297,9 +418,13 @@ def _chunked_time(rows, num_stages, num_servers, m, fabric) -> dict:
     sent, recv = stage_loads(ordered, num_stages, g)
     c_red = [_step_cost(up, sent[3 + 2 * k], recv[3 + 2 * k])
              for k in range(num_stages)]
-    for starts in candidate_starts(num_stages):
-      total, head = _chunked_time_at(starts, ordered, due, c_out, c_red,
-                                     seq["intra"], g, up)
+    for starts in candidates:
+      if ports == "duplex":
+        total, head = _duplex_time_at(starts, ordered, due, (sent, recv),
+                                      c_out, g, fabric)
+      else:
+        total, head = _chunked_time_at(starts, ordered, due, c_out, c_red,
+                                       seq["intra"], g, up)
       if best is None or total < best[0]:
         best = (total, head, starts, order)
   total, head, starts, order = best
@@ -309,12 +434,25 @@ def _chunked_time(rows, num_stages, num_servers, m, fabric) -> dict:
 
 def fast_time_from_rows(rows, num_stages: int, num_servers: int,
                         gpus_per_server: int, fabric: Fabric = Fabric(),
-                        pipeline_balance: bool | str = True) -> dict:
+                        pipeline_balance: bool | str = True,
+                        ports: str = "duplex") -> dict:
   """Completion time of a FAST schedule, in seconds.
 
   ``rows``: int[K, 6] as in ``stage_loads``; ``num_stages``: BvN stages S.
   Every model charges each step ``alpha + busiest port / bandwidth``; the
   intra-server part is one scale-up step next to the first scale-out stage.
+  Scale-out stages run back to back (stage k + 1 after stage k).
+
+  ``ports``: how overlapping scale-up steps share the scale-up ports.
+  ``"duplex"`` (default): per GPU and direction (``DuplexPorts``); the
+  balancing chunks, the intra-server part and the redistributions are
+  issued in that order, each on the ports it uses, so the balancing's
+  sends from hot senders overlap the redistribution's receives into hot
+  receivers.  ``"shared"``: one scale-up timeline: every scale-up step
+  starts after the previous one ended, whatever GPUs it uses (the
+  descriptions below are this model; ``"duplex"`` replaces "after the
+  previous scale-up work" with "after the previous work on the same
+  ports").  ``pipeline_balance="windows"`` ignores ``ports``.
 
   ``pipeline_balance=False`` (sequential, the paper's Fig. 11): all
   balancing as one step first; scale-out stages back to back after it;
@@ -350,22 +488,44 @@ def fast_time_from_rows(rows, num_stages: int, num_servers: int,
   ``balance_starts`` (the chunk starts used) and ``stage_order``
   (``stage_order[i]`` = the BvN stage run i-th).
   """
+  if ports not in PORT_MODELS:
+    raise ValueError(f"ports must be one of {PORT_MODELS}, got {ports!r}")
   rows = np.asarray(rows, np.int64).reshape(-1, 6)
   g = num_servers * gpus_per_server
   if pipeline_balance == "windows":
     return _windows_time(rows, num_stages, num_servers, gpus_per_server,
                          fabric)
   if not pipeline_balance:
-    return _sequential_time(rows, num_stages, g, fabric)
-  return _chunked_time(rows, num_stages, num_servers, gpus_per_server, fabric)
+    if ports == "shared":
+      return _sequential_time(rows, num_stages, g, fabric)
+    return _duplex_in_order(rows, num_stages, num_servers, gpus_per_server,
+                            fabric)
+  return _chunked_time(rows, num_stages, num_servers, gpus_per_server, fabric,
+                       ports)
+
+
+def _duplex_in_order(rows, num_stages, num_servers, m, fabric) -> dict:
+  """Sequential time (one balancing chunk, stages in built order) on
+  ``DuplexPorts``."""
+  g = num_servers * m
+  seq = _sequential_time(rows, num_stages, g, fabric)
+  if num_stages == 0:
+    return dict(seq, total=max(seq["balance"], seq["intra"]))
+  due = balance_stages_from_rows(rows, num_servers, m)
+  c_out = _scale_out_costs(rows, num_stages, g, fabric.scale_out)
+  total, head = _duplex_time_at(np.zeros(1, np.int64), rows, due,
+                                stage_loads(rows, num_stages, g), c_out, g,
+                                fabric)
+  return dict(seq, total=total, balance_exposed=head)
 
 
 def fast_time(schedule: ref.Schedule, fabric: Fabric = Fabric(),
-              pipeline_balance: bool = True) -> dict:
+              pipeline_balance: bool | str = True, ports: str = "duplex"
+              ) -> dict:
   """``fast_time_from_rows`` of a reference Schedule."""
   return fast_time_from_rows(schedule_rows(schedule), schedule.num_bvn_stages,
                              schedule.num_servers, schedule.gpus_per_server,
-                             fabric, pipeline_balance)
+                             fabric, pipeline_balance, ports)
 
 
 def spreadout_time(traffic, num_servers: int, gpus_per_server: int,

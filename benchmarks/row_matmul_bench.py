@@ -71,6 +71,13 @@ def _case(m, k, n, g, dtype, rng):
     return x, w, jnp.asarray(sizes)
 
 
+def _relative_difference(x, w, sizes) -> float:
+    """||row_invariant - ragged_dot|| / ||ragged_dot|| of one call: both
+    methods compute the same product (to rounding)."""
+    a, b = (np.asarray(jax.jit(METHODS[m])(x, w, sizes), np.float64) for m in METHODS)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def _time(fn, args) -> list[float]:
     for _ in range(FLAGS.warmup):
         fn(*args).block_until_ready()
@@ -89,7 +96,8 @@ def measure() -> list[dict]:
         m, k, n, g = (int(v) for v in shape.split(":"))
         for dtype_name in FLAGS.dtypes:
             args = _case(m, k, n, g, jnp.dtype(dtype_name), rng)
-            row = dict(m=m, k=k, n=n, groups=g, dtype=dtype_name)
+            row = dict(m=m, k=k, n=n, groups=g, dtype=dtype_name,
+                       rel_diff=_relative_difference(*args))
             for method in METHODS:
                 times = _time(_loop(method, FLAGS.calls), args)
                 median = statistics.median(times)
@@ -110,13 +118,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"- median over {meta['steps']} steps of {meta['calls']} chained calls in one "
              "jitted loop; float32 accumulation and output in both; equal group sizes", "",
              "| M | K | N | G | dtype | row_invariant (us) | TFLOP/s | ragged_dot (us) | TFLOP/s "
-             "| row_invariant / ragged_dot |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| row_invariant / ragged_dot | relative difference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['groups']} | {r['dtype']} | "
                      f"{r['row_invariant_us']:.1f} | {r['row_invariant_tflops']:.2f} | "
                      f"{r['ragged_dot_us']:.1f} | {r['ragged_dot_tflops']:.2f} | "
-                     f"{r['slowdown']:.2f}x |")
+                     f"{r['slowdown']:.2f}x | {r['rel_diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

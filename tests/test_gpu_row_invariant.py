@@ -106,7 +106,10 @@ GRAPH_FLAGS = {
 
 def test_cuda_graph_replays_give_the_same_bits(tmp_path):
     """One compiled call replayed with other inputs and group sizes: the same
-    bits captured into CUDA graphs as launched one by one."""
+    bits with command buffers on (custom calls and fusions allowed in CUDA
+    graphs) as with them off. XLA 0.11.2 forms command buffers from the
+    thunk sequence, after HLO, so the compiled HLO text cannot show whether
+    the call was captured; this checks the results of both modes."""
     saved = {}
     for mode, flags in GRAPH_FLAGS.items():
         path = str(tmp_path / f"{mode}.npz")
@@ -132,9 +135,6 @@ def _replay_and_save(out_path: str) -> None:
             sizes = [0, 316, 0, 0] if replay == 2 else list(rng.integers(0, 80, size=4))
             x, w, gs = jax.device_put(random_case(rng, sizes, 320, 96, 136, dtype), device)
             results[f"{jnp.dtype(dtype).name}_{replay}"] = np.asarray(fn(x, w, gs))
-        hlo = fn.lower(x, w, gs).compile().as_text()
-        print(f"{jnp.dtype(dtype).name}: command_buffer in the compiled HLO:",
-              "command_buffer" in hlo)
     np.savez(out_path, **results)
     print("PASS")
 

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/collectives_api.h"
@@ -110,6 +112,32 @@ class CollectivesContext
           "XLA collectives extension returned no communicator");
     }
     return args.communicator;
+  }
+
+  // The flattened-id communicator of `groups`: requested in the prepare stage,
+  // fetched in later ones. Failures name `who` (the target) and the step.
+  xla::ffi::Error RequestFlattened(const std::vector<XLA_FFI_ReplicaGroup>& groups,
+                                   int64_t communication_id, std::string_view who) const {
+    xla::ffi::Error err = RequestCommunicator(xla::ffi::GroupMode::kFlattenedId, groups.data(),
+                                              groups.size(), communication_id);
+    if (err.failure()) {
+      return xla::ffi::Error(*err.errc(), std::string(who) + ": requesting the communicator: " +
+                                              err.message());
+    }
+    return xla::ffi::Error::Success();
+  }
+
+  xla::ffi::ErrorOr<XLA_FFI_Communicator*> GetFlattened(
+      const std::vector<XLA_FFI_ReplicaGroup>& groups, int64_t communication_id,
+      std::string_view who) const {
+    xla::ffi::ErrorOr<XLA_FFI_Communicator*> comm = GetCommunicator(
+        xla::ffi::GroupMode::kFlattenedId, groups.data(), groups.size(), communication_id);
+    if (!comm.has_value()) {
+      return xla::ffi::Error(*comm.error().errc(), std::string(who) +
+                                                       ": getting the communicator: " +
+                                                       comm.error().message());
+    }
+    return comm;
   }
 
  private:

@@ -285,14 +285,7 @@ ffi::Error PrepareImpl(CollectivesContext collectives,
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = collectives.RequestCommunicator(
-          ffi::GroupMode::kFlattenedId, groups.data(), groups.size(),
-          communication_id);
-      err.failure()) {
-    return ffi::Error(*err.errc(), Prefixed("requesting the communicator: " +
-                                            err.message()));
-  }
-  return ffi::Error::Success();
+  return collectives.RequestFlattened(groups, communication_id, kName);
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
@@ -317,14 +310,9 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
   std::string load_error;
   const NcclApi* nccl = LoadNccl(&load_error);
   if (nccl == nullptr) return ffi::Error::Internal(Prefixed(load_error));
-  ffi::ErrorOr<XLA_FFI_Communicator*> handle = collectives.GetCommunicator(
-      ffi::GroupMode::kFlattenedId, groups.data(), groups.size(),
-      communication_id);
-  if (!handle.has_value()) {
-    return ffi::Error(*handle.error().errc(),
-                      Prefixed("getting the communicator: " +
-                               handle.error().message()));
-  }
+  ffi::ErrorOr<XLA_FFI_Communicator*> handle =
+      collectives.GetFlattened(groups, communication_id, kName);
+  if (!handle.has_value()) return handle.error();
   ncclComm_t comm = reinterpret_cast<ncclComm_t>(*handle);
   int count = 0;
   if (ncclResult_t r = nccl->CommCount(comm, &count); r != ncclSuccess) {

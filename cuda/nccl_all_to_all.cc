@@ -189,14 +189,7 @@ ffi::Error PrepareImpl(CollectivesContext collectives,
   ffi::ErrorOr<const GroupSet*> groups = Groups(replica_groups, group_size);
   if (!groups.has_value()) return groups.error();
   const GroupSet& g = **groups;
-  if (ffi::Error err = collectives.RequestCommunicator(
-          ffi::GroupMode::kFlattenedId, g.raw.data(), g.raw.size(),
-          communication_id);
-      err.failure()) {
-    return ffi::Error(*err.errc(), Prefixed("requesting the communicator: " +
-                                            err.message()));
-  }
-  return ffi::Error::Success();
+  return collectives.RequestFlattened(g.raw, communication_id, kName);
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
@@ -232,14 +225,9 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
   const NcclApi* nccl = LoadNccl(&load_error);
   if (nccl == nullptr) return ffi::Error::Internal(load_error);
 
-  ffi::ErrorOr<XLA_FFI_Communicator*> handle = collectives.GetCommunicator(
-      ffi::GroupMode::kFlattenedId, g.raw.data(), g.raw.size(),
-      communication_id);
-  if (!handle.has_value()) {
-    return ffi::Error(*handle.error().errc(),
-                      Prefixed("getting the communicator: " +
-                               handle.error().message()));
-  }
+  ffi::ErrorOr<XLA_FFI_Communicator*> handle =
+      collectives.GetFlattened(g.raw, communication_id, kName);
+  if (!handle.has_value()) return handle.error();
   ncclComm_t comm = reinterpret_cast<ncclComm_t>(*handle);
 
   int count = 0;

@@ -169,26 +169,15 @@ ffi::Error NeedCollectives(const MaybeCollectives& collectives, std::string_view
 
 ffi::Error RequestCommunicator(const Attrs& a, const MaybeCollectives& collectives) {
   if (ffi::Error err = NeedCollectives(collectives, "prepare"); err.failure()) return err;
-  const std::vector<XLA_FFI_ReplicaGroup>& groups = ReplicaGroups(a);
-  if (ffi::Error err = collectives->RequestCommunicator(
-          ffi::GroupMode::kFlattenedId, groups.data(), groups.size(), /*communication_id=*/0);
-      err.failure()) {
-    return ffi::Error(*err.errc(), std::string(kName) + ": requesting the communicator: " +
-                                       err.message());
-  }
-  return ffi::Error::Success();
+  return collectives->RequestFlattened(ReplicaGroups(a), /*communication_id=*/0, kName);
 }
 
 ffi::ErrorOr<void*> Communicator(const Attrs& a, const MaybeCollectives& collectives,
                                  std::string_view stage) {
   if (ffi::Error err = NeedCollectives(collectives, stage); err.failure()) return err;
-  const std::vector<XLA_FFI_ReplicaGroup>& groups = ReplicaGroups(a);
-  ffi::ErrorOr<XLA_FFI_Communicator*> comm = collectives->GetCommunicator(
-      ffi::GroupMode::kFlattenedId, groups.data(), groups.size(), /*communication_id=*/0);
-  if (!comm.has_value()) {
-    return ffi::Error(*comm.error().errc(), std::string(kName) + ": getting the communicator: " +
-                                                comm.error().message());
-  }
+  ffi::ErrorOr<XLA_FFI_Communicator*> comm =
+      collectives->GetFlattened(ReplicaGroups(a), /*communication_id=*/0, kName);
+  if (!comm.has_value()) return comm.error();
   return static_cast<void*>(*comm);
 }
 

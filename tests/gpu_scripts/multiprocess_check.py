@@ -8,23 +8,13 @@ mesh of all N GPUs, and checks its own shard of the output against the
 float32 dense reference. Each process prints PASS.
 """
 
-import socket
-import subprocess
 import sys
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch_copies import run_copies
 
 
 def launch(num: int) -> int:
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(num), str(i), str(port)])
-             for i in range(num)]
-    codes = [p.wait(timeout=240) for p in procs]
-    return max(abs(c) for c in codes)
+    return run_copies(__file__, num, timeout=240)
 
 
 def child(num: int, pid: int, port: int) -> None:

@@ -18,27 +18,17 @@ first call (XLA's initialize stage, or the first execution).
 """
 
 import os
-import socket
-import subprocess
 import sys
+
+from launch_copies import run_copies
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DISPATCH_ROUTINGS = ("random", "one_expert", "empty_rank", "one_rank", "zipf", "random")
 FP8_ROUTINGS = ("random", "one_expert", "empty_rank", "zipf")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(num: int) -> int:
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(num), str(i), str(port)])
-             for i in range(num)]
-    codes = [p.wait(timeout=540) for p in procs]
-    return max(abs(c) for c in codes)
+    return run_copies(__file__, num, timeout=540)
 
 
 def _global_array(mesh, host):

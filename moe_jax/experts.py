@@ -7,6 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_jax import row_invariant
+
 
 class ExpertWeights(NamedTuple):
     """SwiGLU weights of G experts (all experts, or one rank's shard).
@@ -62,7 +64,6 @@ def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeigh
 def _grouped_dot(matmul: str):
     """(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N] float32."""
     if matmul == "row_invariant":
-        from moe_jax import row_invariant
         return row_invariant.grouped_matmul
     if matmul != "xla":
         raise ValueError(f"swiglu_grouped: argument 'matmul' must be 'xla' or "

@@ -189,10 +189,11 @@ def run_simulation(rng, runtime):
                fast_ms=fast["total"] * 1e3,
                fast_shared_ports_ms=shared["total"] * 1e3,
                fast_parts_ms={k: v * 1e3 for k, v in fast.items()
-                              if np.isscalar(v)},
+                              if np.isscalar(v) and not isinstance(v, str)},
                fast_balance_chunks=len(fast["balance_starts"]),
                fast_stages_reordered=fast["stage_order"] != sorted(
                    fast["stage_order"]),
+               fast_balance_timing=fast["balance_timing"],
                fast_sequential_ms=seq["total"] * 1e3,
                spreadout_ms=sim.spreadout_time(t, n, m, fabric) * 1e3,
                direct_ms=sim.direct_time(t, n, m, fabric) * 1e3)
@@ -252,11 +253,14 @@ def write_simulation(results, meta, fabric):
            "(`simulator.fast_time_from_rows`, `pipeline_balance=True`: "
            "balancing cut into chunks by the stage that first carries each "
            "server pair, chunk j done before its first stage, stages in the "
-           "built or the light-balancing-first order, the best of both and "
-           "of the tried chunkings); `sequential`: all balancing before the "
-           "first scale-out stage (`pipeline_balance=False`); `chunks`: "
-           "balancing chunks used (1 = sequential), `reordered`: stages run "
-           "light-balancing first",
+           "built, the light-balancing-first or the ends-light order, "
+           "balancing timed by pair (due before the pair's first stage) or "
+           "by use (each balanced unit due before the stage that sends it), "
+           "the best of these and of the tried chunkings); `sequential`: all "
+           "balancing before the first scale-out stage "
+           "(`pipeline_balance=False`); `chunks`: balancing chunks used (1 = "
+           "sequential), `reordered`: stages not in built order, `timing`: "
+           "balancing by `pair` or `use`",
            "- `balance`: the whole balancing as one scale-up step / bound; "
            "`exposed`: the part before the first scale-out stage (FAST); "
            "`redistribute`: summed per-stage redistribution steps / bound "
@@ -267,9 +271,9 @@ def write_simulation(results, meta, fabric):
            "FAST shared / bound | "
            "sequential / bound | FAST+sched / bound | SpreadOut / bound | "
            "direct / bound | balance | exposed | redistribute | chunks | "
-           "reordered |",
+           "reordered | timing |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-           "| --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in results:
     b = r["bound_ms"]
     ws = r["fast_with_scheduler_ms"]
@@ -286,7 +290,8 @@ def write_simulation(results, meta, fabric):
         f"{r['fast_parts_ms']['balance_exposed'] / b:.3f} | "
         f"{r['fast_parts_ms']['redistribute'] / b:.3f} | "
         f"{r['fast_balance_chunks']} | "
-        f"{'yes' if r['fast_stages_reordered'] else 'no'} |")
+        f"{'yes' if r['fast_stages_reordered'] else 'no'} | "
+        f"{r['fast_balance_timing']} |")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   try:

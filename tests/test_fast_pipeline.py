@@ -130,3 +130,74 @@ def test_cpp_rows_give_same_pipelined_time():
       sim.balance_stages_from_rows(sim.schedule_rows(ref.fast_schedule(
           t, 6, 8)), 6, 8)[sim.schedule_rows(ref.fast_schedule(t, 6, 8))[:, 0]
                            == 0])
+
+
+def _summed(transfers):
+  out = {}
+  for t in transfers:
+    key = (t.src_gpu, t.dst_gpu, t.flow)
+    out[key] = out.get(key, 0) + t.amount
+  return out
+
+
+@given(traffic_cases())
+def test_balancing_by_use_adds_up_to_the_balancing_phase(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  parts = ref.balance_by_use(s)
+  assert len(parts) == s.num_bvn_stages
+  assert _summed([tr for p in parts for tr in p]) == _summed(
+      s.stages[0].transfers)
+  # Rows: the same transfers, each due before the stage that sends them.
+  rows, due = sim.balance_rows_by_use(sim.schedule_rows(s))
+  bal = rows[rows[:, 0] == 0]
+  want = sorted((k, tr.src_gpu, tr.dst_gpu, tr.amount, *tr.flow)
+                for k, p in enumerate(parts) for tr in p)
+  got = sorted(map(tuple, np.column_stack([due[rows[:, 0] == 0],
+                                           bal[:, 1:]]).tolist()))
+  assert got == want
+
+
+@given(traffic_cases(), st.data())
+def test_balancing_by_use_delivers_exactly_in_any_order(case, data):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  k = s.num_bvn_stages
+  order = data.draw(st.permutations(range(k)))
+  cuts = data.draw(st.sets(st.integers(1, max(1, k - 1)), max_size=4))
+  starts = [0] + sorted(c for c in cuts if c < k)
+  if data.draw(st.booleans()):
+    starts = list(range(k)) or [0]
+  stages = ref.pipelined_stages(s, starts, order, timing="use")
+  assert ref.delivered_exactly(t, stages)
+
+
+@given(traffic_cases())
+def test_ends_light_order_is_a_permutation_with_light_first_stage(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  rows = sim.schedule_rows(s)
+  order = sim.ends_light_order(rows, s.num_bvn_stages, n * m)
+  assert sorted(order.tolist()) == list(range(s.num_bvn_stages))
+  assert ref.delivered_exactly(
+      t, ref.pipelined_stages(s, (0,), order, timing="use"))
+
+
+def test_pipelined_zipf_meets_eight_percent_of_the_bound():
+  rng = np.random.default_rng(11)
+  t = workloads.zipf_matrix(rng, 64, 0.9, mean=50e6)
+  d = cpp.schedule_arrays(t, 8, 8) if cpp.available() else None
+  s = ref.fast_schedule(t, 8, 8)
+  r = sim.fast_time(s)
+  assert r["total"] <= 1.08 * sim.bound_time(t, 8, 8)
+  assert r["balance_timing"] in sim.BALANCE_TIMINGS
+  if d is not None:
+    rows = np.concatenate([d["transfers"], d["redistribution"]])
+    assert sim.fast_time_from_rows(rows, s.num_bvn_stages, 8, 8)[
+        "total"] == pytest.approx(r["total"])
+
+
+def test_pipelined_stages_rejects_unknown_timing():
+  s = ref.fast_schedule(np.ones((4, 4), np.int64), 2, 2)
+  with pytest.raises(ValueError, match="timing"):
+    ref.pipelined_stages(s, (0,), timing="late")

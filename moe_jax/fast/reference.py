@@ -393,6 +393,27 @@ def balance_by_stage(schedule: Schedule) -> list[list[Transfer]]:
   return parts
 
 
+def balance_by_use(schedule: Schedule) -> list[list[Transfer]]:
+  """The balancing phase split by the BvN stage that sends the units.
+
+  A GPU holds another GPU's units of a flow only through balancing, whose
+  givers hand over their own pieces, so each scale-out transfer of stage k
+  whose sender is not the flow's source needs that many units moved from
+  the source to the sender before stage k.  Returns ``S`` lists; list ``k``
+  holds one such transfer per scale-out transfer of stage ``k``.  Summed
+  per (src, dst, flow) they are exactly the ``balance`` stage.
+  """
+  parts: list[list[Transfer]] = [[] for _ in range(schedule.num_bvn_stages)]
+  for st in schedule.stages:
+    if st.kind != "scale_out":
+      continue
+    for tr in st.transfers:
+      if tr.src_gpu != tr.flow[0]:
+        parts[st.bvn_index].append(
+            Transfer(tr.flow[0], tr.src_gpu, tr.amount, tr.flow))
+  return parts
+
+
 def _stage_of_kind(schedule: Schedule, kind: str, bvn_index: int = -1
                    ) -> Stage:
   for st in schedule.stages:
@@ -402,7 +423,8 @@ def _stage_of_kind(schedule: Schedule, kind: str, bvn_index: int = -1
 
 
 def pipelined_stages(schedule: Schedule, starts: Sequence[int] = (0,),
-                     order: Sequence[int] | None = None) -> list[Stage]:
+                     order: Sequence[int] | None = None,
+                     timing: str = "pair") -> list[Stage]:
   """The schedule's transfers in a pipelined execution order.
 
   ``order[i]``: the BvN stage run i-th (default: as built; any order is
@@ -414,7 +436,14 @@ def pipelined_stages(schedule: Schedule, starts: Sequence[int] = (0,),
   ``scale_out`` (with the next chunk's balancing, if one starts there) and
   ``redistribute``.  Transfers of one stage run concurrently: a chunk's
   balancing moves pairs that no earlier stage carries.
+
+  ``timing="use"``: the balancing is ``balance_by_use`` instead, chunk j
+  holding the units first sent at positions s_j .. s_{j+1} - 1 (a giver
+  hands over tail units its own scale-out never sends, so they may move
+  while it sends its head units).
   """
+  if timing not in ("pair", "use"):
+    raise ValueError(f"timing must be 'pair' or 'use', got {timing!r}")
   s = schedule.num_bvn_stages
   order = list(range(s)) if order is None else [int(k) for k in order]
   if sorted(order) != list(range(s)):
@@ -429,8 +458,14 @@ def pipelined_stages(schedule: Schedule, starts: Sequence[int] = (0,),
                        real, schedule.num_servers)
   m = schedule.gpus_per_server
   chunks: list[list[Transfer]] = [[] for _ in starts]
-  for tr in _stage_of_kind(schedule, "balance").transfers:
-    due = balance_stage(tr, first, m)
+  if timing == "use":
+    dated = [(int(pos[k]), tr)
+             for k, part in enumerate(balance_by_use(schedule))
+             for tr in part]
+  else:
+    dated = [(balance_stage(tr, first, m), tr)
+             for tr in _stage_of_kind(schedule, "balance").transfers]
+  for due, tr in dated:
     chunks[int(np.searchsorted(starts, due, side="right")) - 1].append(tr)
   with_chunk = {st - 1: c for st, c in zip(starts[1:], chunks[1:])}
   out = [Stage("balance", chunks[0]),

@@ -213,6 +213,28 @@ def balance_stages_from_rows(rows, num_servers: int, gpus_per_server: int
   return np.where(rows[:, 0] == 0, due, -1)
 
 
+def balance_rows_by_use(rows) -> tuple[np.ndarray, np.ndarray]:
+  """Balancing split by use: (rows int64[K', 6], due int64[K']).
+
+  A GPU only holds another GPU's units of a flow through balancing, and
+  the giver is the flow's source (givers hand over their own tail pieces),
+  so every scale-out row whose sender is not the flow's source is the use
+  of balanced units: (stage k, j, peer, y, (s, d)) needs y units moved
+  s -> j before stage k.  The balancing rows (stage 0) are replaced by one
+  such row per use, due before its stage k (``due``; -1 for the other
+  rows).  Per (src, dst, flow) they add up to the original balancing.
+  """
+  rows = np.asarray(rows, np.int64).reshape(-1, 6)
+  st = rows[:, 0]
+  used = rows[(st >= 2) & (st % 2 == 0) & (rows[:, 1] != rows[:, 4])]
+  bal = np.stack([np.zeros(len(used), np.int64), used[:, 4], used[:, 1],
+                  used[:, 3], used[:, 4], used[:, 5]], axis=1)
+  rest = rows[st != 0]
+  return (np.concatenate([bal, rest]),
+          np.concatenate([(used[:, 0] - 2) // 2,
+                          np.full(len(rest), -1, np.int64)]))
+
+
 def _sequential_time(rows, num_stages, g, fabric) -> dict:
   sent, recv = stage_loads(rows, num_stages, g)
   up, out = fabric.scale_up, fabric.scale_out
@@ -382,6 +404,36 @@ def light_balance_first_order(rows, num_stages: int, num_servers: int,
   return np.argsort(need, kind="stable")
 
 
+def _stage_peaks(rows, key, num_stages, g) -> np.ndarray:
+  """float64[S]: busiest port (max of sent, received) of rows grouped by
+  ``key`` (int[K] in [0, S))."""
+  sent = np.bincount(key * g + rows[:, 1], rows[:, 3], num_stages * g)
+  recv = np.bincount(key * g + rows[:, 2], rows[:, 3], num_stages * g)
+  return np.maximum(sent, recv).reshape(num_stages, g).max(axis=1)
+
+
+def ends_light_order(rows, num_stages: int, num_gpus: int) -> np.ndarray:
+  """int64[S]: BvN stages with the least balancing by use first and the
+  rest by descending redistribution, so each stage's redistribution hides
+  behind the later stages' scale-out and the exposed tail is the lightest.
+
+  The first stage's balancing (``balance_rows_by_use``) and the last
+  stages' redistribution are the parts no scale-out overlaps.
+  """
+  if num_stages == 0:
+    return np.zeros(0, np.int64)
+  rows = np.asarray(rows, np.int64).reshape(-1, 6)
+  bal, due = balance_rows_by_use(rows)
+  use = bal[:, 0] == 0
+  need = _stage_peaks(bal[use], due[use], num_stages, num_gpus)
+  st = rows[:, 0]
+  red = rows[(st >= 3) & (st % 2 == 1)]
+  forward = _stage_peaks(red, (red[:, 0] - 3) // 2, num_stages, num_gpus)
+  first = int(np.argmin(need))
+  rest = np.argsort(-forward, kind="stable")
+  return np.concatenate([[first], rest[rest != first]]).astype(np.int64)
+
+
 def reorder_stages(rows, order) -> np.ndarray:
   """Rows with BvN stage ``order[i]`` relabelled as stage ``i`` (scale-out
   and redistribution alike); balancing and intra rows unchanged."""
@@ -394,48 +446,70 @@ def reorder_stages(rows, order) -> np.ndarray:
   return rows
 
 
+BALANCE_TIMINGS = ("pair", "use")
+
+
+def _balanced_layout(rows, order, timing, num_servers, m):
+  """(rows, due) of the schedule with stages in ``order`` and balancing
+  due by pair (its pair's first stage) or by use
+  (``balance_rows_by_use``)."""
+  ordered = reorder_stages(rows, order)
+  if timing == "use":
+    return balance_rows_by_use(ordered)
+  return ordered, balance_stages_from_rows(ordered, num_servers, m)
+
+
 def _chunked_time(rows, num_stages, num_servers, m, fabric,
-                  ports: str = "duplex", candidates=None) -> dict:
-  """Chunked pipelined balancing: the least total over the stage orders
-  (as built, light balancing first) and the chunkings ``candidates``
-  (default ``candidate_starts``) on the ``ports`` model."""
+                  ports: str = "duplex", candidates=None,
+                  timings=BALANCE_TIMINGS) -> dict:
+  """Chunked pipelined balancing: the least total over the balancing
+  timings ``timings``, the stage orders (as built, light balancing first,
+  ends light) and the chunkings ``candidates`` (default
+  ``candidate_starts``, plus one chunk per stage for balancing by use) on
+  the ``ports`` model."""
   g = num_servers * m
   up = fabric.scale_up
   seq = _sequential_time(rows, num_stages, g, fabric)
   if num_stages == 0:
     return dict(seq, total=max(seq["balance"], seq["intra"])
                 if ports == "duplex" else seq["total"],
-                balance_starts=[0], stage_order=[])
+                balance_starts=[0], stage_order=[], balance_timing="pair")
   if candidates is None:
     candidates = candidate_starts(num_stages)
+  orders = (np.arange(num_stages),
+            light_balance_first_order(rows, num_stages, num_servers, m, up),
+            ends_light_order(rows, num_stages, g))
   best = None
-  for order in (np.arange(num_stages),
-                light_balance_first_order(rows, num_stages, num_servers, m,
-                                          up)):
-    ordered = reorder_stages(rows, order)
-    due = balance_stages_from_rows(ordered, num_servers, m)
-    c_out = _scale_out_costs(ordered, num_stages, g, fabric.scale_out)
-    sent, recv = stage_loads(ordered, num_stages, g)
-    c_red = [_step_cost(up, sent[3 + 2 * k], recv[3 + 2 * k])
-             for k in range(num_stages)]
-    for starts in candidates:
-      if ports == "duplex":
-        total, head = _duplex_time_at(starts, ordered, due, (sent, recv),
-                                      c_out, g, fabric)
-      else:
-        total, head = _chunked_time_at(starts, ordered, due, c_out, c_red,
-                                       seq["intra"], g, up)
-      if best is None or total < best[0]:
-        best = (total, head, starts, order)
-  total, head, starts, order = best
+  for timing in timings:
+    cands = list(candidates)
+    if timing == "use":
+      cands.append(np.arange(num_stages))
+    for order in orders:
+      laid, due = _balanced_layout(rows, order, timing, num_servers, m)
+      c_out = _scale_out_costs(laid, num_stages, g, fabric.scale_out)
+      sent, recv = stage_loads(laid, num_stages, g)
+      c_red = [_step_cost(up, sent[3 + 2 * k], recv[3 + 2 * k])
+               for k in range(num_stages)]
+      for starts in cands:
+        if ports == "duplex":
+          total, head = _duplex_time_at(starts, laid, due, (sent, recv),
+                                        c_out, g, fabric)
+        else:
+          total, head = _chunked_time_at(starts, laid, due, c_out, c_red,
+                                         seq["intra"], g, up)
+        if best is None or total < best[0]:
+          best = (total, head, starts, order, timing)
+  total, head, starts, order, timing = best
   return dict(seq, total=total, balance_exposed=head,
-              balance_starts=starts.tolist(), stage_order=order.tolist())
+              balance_starts=starts.tolist(), stage_order=order.tolist(),
+              balance_timing=timing)
 
 
 def fast_time_from_rows(rows, num_stages: int, num_servers: int,
                         gpus_per_server: int, fabric: Fabric = Fabric(),
                         pipeline_balance: bool | str = True,
-                        ports: str = "duplex") -> dict:
+                        ports: str = "duplex",
+                        balance_timings=BALANCE_TIMINGS) -> dict:
   """Completion time of a FAST schedule, in seconds.
 
   ``rows``: int[K, 6] as in ``stage_loads``; ``num_stages``: BvN stages S.
@@ -470,7 +544,12 @@ def fast_time_from_rows(rows, num_stages: int, num_servers: int,
   part and the redistributions follow on the scale-up port as in the
   sequential model.  One chunk is exactly the sequential model; the
   chunking with the least total among ``candidate_starts`` is used and
-  returned, so the result is never above the sequential one.
+  returned, so the result is never above the sequential one.  With
+  ``"use"`` in ``balance_timings`` (default: both) the balancing may also
+  be timed by use (``balance_rows_by_use``: each balanced unit due before
+  the stage that sends it, chunks as above, plus one chunk per stage), and
+  the stage orders tried include ``ends_light_order``; the best of all is
+  returned (``balance_timing``: ``"pair"`` or ``"use"``).
 
   ``pipeline_balance="windows"``: per-stage windows; the balancing due
   before stage 0 is exposed, window k = 0 .. S-1 costs ``max(scale-out of
@@ -501,7 +580,7 @@ def fast_time_from_rows(rows, num_stages: int, num_servers: int,
     return _duplex_in_order(rows, num_stages, num_servers, gpus_per_server,
                             fabric)
   return _chunked_time(rows, num_stages, num_servers, gpus_per_server, fabric,
-                       ports)
+                       ports, timings=tuple(balance_timings))
 
 
 def _duplex_in_order(rows, num_stages, num_servers, m, fabric) -> dict:
@@ -520,12 +599,12 @@ def _duplex_in_order(rows, num_stages, num_servers, m, fabric) -> dict:
 
 
 def fast_time(schedule: ref.Schedule, fabric: Fabric = Fabric(),
-              pipeline_balance: bool | str = True, ports: str = "duplex"
-              ) -> dict:
+              pipeline_balance: bool | str = True, ports: str = "duplex",
+              balance_timings=BALANCE_TIMINGS) -> dict:
   """``fast_time_from_rows`` of a reference Schedule."""
   return fast_time_from_rows(schedule_rows(schedule), schedule.num_bvn_stages,
                              schedule.num_servers, schedule.gpus_per_server,
-                             fabric, pipeline_balance, ports)
+                             fabric, pipeline_balance, ports, balance_timings)
 
 
 def spreadout_time(traffic, num_servers: int, gpus_per_server: int,

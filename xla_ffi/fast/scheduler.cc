@@ -1,126 +1,67 @@
 #include "xla_ffi/fast/scheduler.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace moe_jax::fast {
+namespace {
 
-// Breadth-first search for a shortest augmenting path from free row u
-// (rows dequeued in order, columns scanned in increasing order); flips it.
-// Columns are scanned through the support bitsets: support_ & ~seen_.
-bool FastScheduler::Augment(int u) {
-  const int words = words_;
-  std::fill(seen_.begin(), seen_.end(), 0);
-  int head = 0, tail = 0;
-  queue_[tail++] = u;
-  while (head < tail) {
-    const int r = queue_[head++];
-    const uint64_t* sup = support_.data() + static_cast<size_t>(r) * words;
-    for (int w = 0; w < words; ++w) {
-      uint64_t bits = sup[w] & ~seen_[w];
-      seen_[w] |= bits;
-      while (bits != 0) {
-        const int v = w * 64 + __builtin_ctzll(bits);
-        bits &= bits - 1;
-        prev_[v] = r;
-        if (match_col_[v] < 0) {
-          for (int c = v;;) {
-            const int pr = prev_[c];
-            const int old = match_row_[pr];
-            match_row_[pr] = c;
-            match_col_[c] = pr;
-            if (pr == u) return true;
-            c = old;
-          }
-        }
-        queue_[tail++] = match_col_[v];
-      }
-    }
-  }
-  return false;
+// Writes one transfer row at w; returns the slot after it.
+inline int64_t* PutRow(int64_t* w, int64_t stage, int64_t src, int64_t dst,
+                       int64_t amount, int64_t flow_src, int64_t flow_dst) {
+  w[kStage] = stage;
+  w[kSrc] = src;
+  w[kDst] = dst;
+  w[kAmount] = amount;
+  w[kFlowSrc] = flow_src;
+  w[kFlowDst] = flow_dst;
+  return w + kTransferCols;
 }
 
-bool FastScheduler::Decompose(FastSchedule* out) {
-  const int n = n_;
-  residual_.assign(out->padded.begin(), out->padded.end());
-  match_row_.assign(n, -1);
-  match_col_.assign(n, -1);
-  words_ = (n + 63) / 64;
-  seen_.assign(words_, 0);
-  support_.assign(static_cast<size_t>(n) * words_, 0);
-  for (int u = 0; u < n; ++u) {
-    for (int v = 0; v < n; ++v) {
-      if (residual_[static_cast<int64_t>(u) * n + v] > 0) {
-        support_[static_cast<size_t>(u) * words_ + v / 64] |= uint64_t{1}
-                                                               << (v % 64);
-      }
-    }
-  }
-  prev_.assign(n, -1);
-  queue_.assign(n, 0);
-  out->matchings.clear();
-  out->weights.clear();
-  int64_t total = 0;
-  for (int v = 0; v < n; ++v) total += residual_[v];
-  while (total > 0) {
-    for (int u = 0; u < n; ++u) {
-      if (match_row_[u] < 0) {
-        // Always succeeds: the residual keeps equal row/column sums.
-        if (!Augment(u)) return false;
-      }
-    }
-    int64_t w = residual_[match_row_[0]];
-    for (int u = 1; u < n; ++u) {
-      w = std::min(w, residual_[static_cast<int64_t>(u) * n + match_row_[u]]);
-    }
-    for (int u = 0; u < n; ++u) out->matchings.push_back(match_row_[u]);
-    out->weights.push_back(w);
-    total -= w;
-    for (int u = 0; u < n; ++u) {
-      const int v = match_row_[u];
-      int64_t& x = residual_[static_cast<int64_t>(u) * n + v];
-      x -= w;
-      if (x == 0) {
-        match_row_[u] = -1;
-        match_col_[v] = -1;
-        support_[static_cast<size_t>(u) * words_ + v / 64] &=
-            ~(uint64_t{1} << (v % 64));
-      }
-    }
-  }
-  out->num_stages = static_cast<int>(out->weights.size());
-  return true;
+// Makes v hold at least `need` elements, doubling (values past the old size
+// are overwritten by the caller).
+template <typename T>
+inline T* GrowTo(std::vector<T>* v, size_t need) {
+  if (v->size() < need) v->resize(std::max(need, 2 * v->size()));
+  return v->data();
 }
 
-std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
-                                    int gpus_per_server, bool with_transfers,
-                                    FastSchedule* out, int64_t gpu) {
-  if (num_servers < 1) return "num_servers must be >= 1";
-  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
-  const int n = n_ = num_servers;
-  const int m = m_ = gpus_per_server;
+}  // namespace
+
+// D[a, b]: sum of the a -> b tile, zero diagonal.  The M rows of server a
+// are added elementwise (vectorises), then each tile's M columns.  Returns
+// the OR of all entries (negative iff one of them is).
+int64_t FastScheduler::ServerMatrix(const int64_t* traffic,
+                                    FastSchedule* out) {
+  const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
-  if (gpu < -1 || gpu >= g) return "gpu must be -1 (all) or in [0, G)";
-  gpu_ = gpu;
-  out->num_servers = n;
-  out->gpus_per_server = m;
-
-  // Server matrix.
-  // Add the M rows of server a elementwise (vectorises), then sum tiles;
-  // OR-ing all entries is negative iff one of them is.
-  out->server.assign(static_cast<size_t>(n) * n, 0);
+  out->server.resize(static_cast<size_t>(n) * n);
   rowacc_.resize(g);
+  int64_t* __restrict acc = rowacc_.data();
   int64_t any_sign = 0;
   for (int a = 0; a < n; ++a) {
-    int64_t* acc = rowacc_.data();
-    const int64_t* row = traffic + static_cast<int64_t>(a) * m * g;
-    for (int64_t h = 0; h < g; ++h) acc[h] = row[h];
-    for (int i = 1; i < m; ++i) {
-      row += g;
-      for (int64_t h = 0; h < g; ++h) acc[h] += row[h];
-    }
-    row = traffic + static_cast<int64_t>(a) * m * g;
-    for (int64_t h = 0; h < static_cast<int64_t>(m) * g; ++h) {
+    const int64_t* __restrict row = traffic + static_cast<int64_t>(a) * m * g;
+    for (int64_t h = 0; h < g; ++h) {
+      acc[h] = row[h];
       any_sign |= row[h];
+    }
+    int i = 1;
+    for (; i + 4 <= m; i += 4) {  // four rows per pass over acc
+      const int64_t* __restrict r0 = row + i * g;
+      const int64_t* __restrict r1 = r0 + g;
+      const int64_t* __restrict r2 = r1 + g;
+      const int64_t* __restrict r3 = r2 + g;
+      for (int64_t h = 0; h < g; ++h) {
+        acc[h] += (r0[h] + r1[h]) + (r2[h] + r3[h]);
+        any_sign |= (r0[h] | r1[h]) | (r2[h] | r3[h]);
+      }
+    }
+    for (; i < m; ++i) {
+      const int64_t* __restrict r0 = row + i * g;
+      for (int64_t h = 0; h < g; ++h) {
+        acc[h] += r0[h];
+        any_sign |= r0[h];
+      }
     }
     int64_t* drow = out->server.data() + static_cast<int64_t>(a) * n;
     for (int b = 0; b < n; ++b) {
@@ -128,18 +69,22 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
       for (int h = 0; h < m; ++h) sum += acc[static_cast<int64_t>(b) * m + h];
       drow[b] = sum;
     }
+    drow[a] = 0;
   }
-  const int64_t lowest = any_sign;
-  if (lowest < 0) return "traffic must be non-negative";
-  for (int a = 0; a < n; ++a) out->server[static_cast<int64_t>(a) * n + a] = 0;
+  return any_sign;
+}
 
-  // Padding (greedy, rows then columns in order).
+// Greedy padding to equal row/column sums (rows, then columns, in order);
+// sets out->bound and out->padded.
+void FastScheduler::Pad(FastSchedule* out) {
+  const int n = n_;
   remaining_.assign(2 * static_cast<size_t>(n), 0);  // row, col deficits
   int64_t* dr = remaining_.data();
   int64_t* dc = dr + n;
+  const int64_t* d = out->server.data();
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
-      const int64_t x = out->server[static_cast<int64_t>(a) * n + b];
+      const int64_t x = d[static_cast<int64_t>(a) * n + b];
       dr[a] += x;
       dc[b] += x;
     }
@@ -158,200 +103,414 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
       dc[j] -= x;
     }
   }
+}
 
-  if (!Decompose(out)) return "internal error: no perfect matching";
+// Matches row to col.  The row's previous entry (if any) gets its lazy
+// residual back; the new entry's residual becomes the row's key.
+void FastScheduler::Rematch(int row, int col, int64_t cum) {
+  const int64_t base = static_cast<int64_t>(row) * n_;
+  const int old = match_row_[row];
+  if (old >= 0) residual_[base + old] = key_[row] - cum;
+  match_row_[row] = col;
+  match_col_[col] = row;
+  key_[row] = residual_[base + col] + cum;
+  on_padding_[row] = real_left_[base + col] < residual_[base + col];
+}
 
-  // Real units per stage (real data first, padding never moves).
-  const int S = out->num_stages;
-  out->real.assign(static_cast<size_t>(S) * n, 0);
-  remaining_.assign(out->server.begin(), out->server.end());
-  for (int k = 0; k < S; ++k) {
-    const int64_t w = out->weights[k];
-    for (int a = 0; a < n; ++a) {
-      const int b = static_cast<int>(out->matchings[static_cast<int64_t>(k) * n + a]);
-      if (a == b) continue;
-      int64_t& rem = remaining_[static_cast<int64_t>(a) * n + b];
-      const int64_t x = std::min(w, rem);
-      out->real[static_cast<int64_t>(k) * n + a] = x;
-      rem -= x;
+// Breadth-first search for a shortest augmenting path from free row u
+// (rows dequeued in order, columns scanned in increasing order); flips it.
+// Columns are scanned through the support bitsets: support_ & ~seen_.
+bool FastScheduler::Augment(int u, int64_t cum) {
+  const int words = words_;
+  uint64_t* seen = seen_.data();
+  std::memset(seen, 0, sizeof(uint64_t) * words);
+  int head = 0, tail = 0;
+  queue_[tail++] = u;
+  while (head < tail) {
+    const int r = queue_[head++];
+    const uint64_t* sup = support_.data() + static_cast<size_t>(r) * words;
+    for (int w = 0; w < words; ++w) {
+      uint64_t bits = sup[w] & ~seen[w];
+      seen[w] |= bits;
+      while (bits != 0) {
+        const int v = w * 64 + __builtin_ctzll(bits);
+        bits &= bits - 1;
+        prev_[v] = r;
+        if (match_col_[v] < 0) {
+          for (int c = v;;) {
+            const int pr = prev_[c];
+            const int old = match_row_[pr];
+            Rematch(pr, c, cum);
+            if (pr == u) return true;
+            c = old;
+          }
+        }
+        queue_[tail++] = match_col_[v];
+      }
     }
   }
+  return false;
+}
+
+// Integer Birkhoff-von Neumann decomposition of out->padded into
+// out->matchings / weights, with out->real (real units per stage).
+bool FastScheduler::Decompose(FastSchedule* out) {
+  const int n = n_;
+  residual_.assign(out->padded.begin(), out->padded.end());
+  real_left_.assign(out->server.begin(), out->server.end());
+  key_.assign(n, 0);
+  on_padding_.assign(n, 0);
+  match_row_.assign(n, -1);
+  match_col_.assign(n, -1);
+  words_ = (n + 63) / 64;
+  seen_.assign(words_, 0);
+  support_.assign(static_cast<size_t>(n) * words_, 0);
+  for (int u = 0; u < n; ++u) {
+    const int64_t* res = residual_.data() + static_cast<size_t>(u) * n;
+    uint64_t* sup = support_.data() + static_cast<size_t>(u) * words_;
+    for (int v = 0; v < n; ++v) {
+      sup[v / 64] |= static_cast<uint64_t>(res[v] > 0) << (v % 64);
+    }
+  }
+  prev_.assign(n, -1);
+  queue_.assign(n, 0);
+  freed_.resize(n);
+  int num_freed = n;
+  for (int u = 0; u < n; ++u) freed_[u] = u;
+  const int64_t total = out->bound;
+  int64_t cum = 0;  // weight subtracted so far
+  int s = 0;
+  while (cum < total) {
+    for (int i = 0; i < num_freed; ++i) {
+      // Always succeeds: the residual keeps equal row/column sums.
+      if (!Augment(freed_[i], cum)) return false;
+    }
+    int64_t low = key_[0];
+    for (int u = 1; u < n; ++u) low = std::min(low, key_[u]);
+    const int64_t w = low - cum;
+    const size_t row = static_cast<size_t>(s) * n;
+    int64_t* match = GrowTo(&out->matchings, row + n) + row;
+    int64_t* real = GrowTo(&out->real, row + n) + row;
+    int32_t* inv = GrowTo(&inverse_, row + n) + row;
+    GrowTo(&out->weights, s + 1)[s] = w;
+    for (int u = 0; u < n; ++u) {
+      match[u] = match_row_[u];
+      inv[u] = match_col_[u];
+      real[u] = w;
+    }
+    // Entries without padding carry w real units; padded ones what is left.
+    for (int u = 0; u < n; ++u) {
+      if (!on_padding_[u]) continue;
+      int64_t& left = real_left_[static_cast<size_t>(u) * n + match_row_[u]];
+      real[u] = std::min(w, left);
+      left -= real[u];
+    }
+    cum = low;
+    num_freed = 0;
+    for (int u = 0; u < n; ++u) {
+      if (key_[u] != low) continue;
+      const int v = match_row_[u];
+      residual_[static_cast<size_t>(u) * n + v] = 0;
+      match_row_[u] = -1;
+      match_col_[v] = -1;
+      support_[static_cast<size_t>(u) * words_ + v / 64] &=
+          ~(uint64_t{1} << (v % 64));
+      freed_[num_freed++] = u;
+    }
+    ++s;
+  }
+  out->num_stages = s;
+  out->matchings.resize(static_cast<size_t>(s) * n);
+  out->real.resize(static_cast<size_t>(s) * n);
+  out->weights.resize(s);
+  return true;
+}
+
+std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
+                                    int gpus_per_server, bool with_transfers,
+                                    FastSchedule* out, int64_t gpu) {
+  if (num_servers < 1) return "num_servers must be >= 1";
+  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
+  const int n = n_ = num_servers;
+  const int m = m_ = gpus_per_server;
+  const int64_t g = static_cast<int64_t>(n) * m;
+  if (gpu < -1 || gpu >= g) return "gpu must be -1 (all) or in [0, G)";
+  gpu_ = gpu;
+  out->num_servers = n;
+  out->gpus_per_server = m;
+  if (ServerMatrix(traffic, out) < 0) return "traffic must be non-negative";
+  Pad(out);
+  if (!Decompose(out)) return "internal error: no perfect matching";
   out->transfers.clear();
   out->redistribution.clear();
   if (with_transfers) BuildTransfers(traffic, out);
   return {};
 }
 
-void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
+// Balancing of server pair (a, b), D[a, b] = big: GPU i's pieces for server
+// b in tile order; givers (more than their share) hand their tail pieces to
+// receivers, both in increasing lane order.  Writes the pair's lane queues
+// into pool_ (own pieces kept, then the received ones; receivers' lanes
+// after the others, so their received pieces append in place) and its
+// balancing rows to `rows` (only those gpu_ sends or receives when
+// gpu_ >= 0).
+void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
+                                int64_t big, RowBuffer* rows) {
   const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
-  RowBuffer& tr = out->transfers;
-  // With gpu_ >= 0 only rows that gpu_ sends or receives are kept, and only
-  // the tiles of its server (as source or destination) are expanded.
-  const int64_t only = gpu_;
-  const int gs = gpu_ >= 0 ? static_cast<int>(gpu_ / m) : -1;
-  const int gl = gpu_ >= 0 ? static_cast<int>(gpu_ % m) : -1;
-  auto emit = [&tr, only](int64_t stage, int64_t src, int64_t dst,
-                          int64_t amount, int64_t fs, int64_t fd) {
-    if (only >= 0 && src != only && dst != only) return;
-    int64_t* w = tr.Append(kTransferCols);
-    w[kStage] = stage;
-    w[kSrc] = src;
-    w[kDst] = dst;
-    w[kAmount] = amount;
-    w[kFlowSrc] = fs;
-    w[kFlowDst] = fd;
+  const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
+                         static_cast<int64_t>(b) * m;
+  for (int i = 0; i < m; ++i) {
+    const int64_t* tile = tile0 + i * g;
+    int64_t sum = 0;
+    for (int h = 0; h < m; ++h) sum += tile[h];
+    have_[i] = sum;
+  }
+  {  // want_[l] = units u < big with (u + a + b) % m == l.
+    const int off = (a + b) % m;
+    const int64_t q = big / m;
+    const int rem = static_cast<int>(big % m);
+    for (int l = 0; l < m; ++l) {
+      int d = l - off;
+      if (d < 0) d += m;
+      want_[l] = q + (d < rem ? 1 : 0);
+    }
+  }
+  const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
+  // Room for every own piece, each again when moved, and one split piece
+  // per move (< 2m moves).
+  Piece* pool =
+      GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
+  const int64_t start = pool_used_;
+  int64_t at = start;
+  auto put_own = [&](int i) {  // lane i's own pieces at the pool's end
+    const int64_t* tile = tile0 + i * g;
+    const int32_t s = static_cast<int32_t>(static_cast<int64_t>(a) * m + i);
+    qbeg_[lane0 + i] = at;
+    for (int h = 0; h < m; ++h) {
+      if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
+    }
+    kept_[i] = static_cast<int>(at - qbeg_[lane0 + i]);
   };
-
-  // 1. Balancing: build every lane queue into pool_.
-  const size_t lanes = static_cast<size_t>(n) * n * m;
-  qbeg_.assign(lanes, 0);
-  qend_.assign(lanes, 0);
-  pool_.clear();
-  held_.resize(m);
-  have_.resize(m);
-  want_.resize(m);
-  for (int a = 0; a < n; ++a) {
-    for (int b = 0; b < n; ++b) {
-      if (a == b || (gs >= 0 && a != gs && b != gs)) continue;
-      const int64_t big = out->server[static_cast<int64_t>(a) * n + b];
-      const int off = (a + b) % m;
-      for (int i = 0; i < m; ++i) {
-        const int64_t s = static_cast<int64_t>(a) * m + i;
-        const int64_t* tile = traffic + s * g + static_cast<int64_t>(b) * m;
-        std::vector<Piece>& q = held_[i];
-        q.clear();
-        int64_t sum = 0;
-        for (int h = 0; h < m; ++h) {
-          if (tile[h] > 0) {
-            q.push_back({static_cast<int32_t>(s),
-                         static_cast<int32_t>(static_cast<int64_t>(b) * m + h),
-                         tile[h]});
-            sum += tile[h];
-          }
-        }
-        have_[i] = sum;
+  for (int i = 0; i < m; ++i) {
+    if (have_[i] >= want_[i]) put_own(i);
+  }
+  const int64_t only = gpu_;
+  int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
+                             kTransferCols);
+  int j = -1;
+  for (int i = 0; i < m; ++i) {
+    Piece* q = pool + qbeg_[lane0 + i];
+    while (have_[i] > want_[i]) {
+      if (j < 0 || have_[j] >= want_[j]) {
+        do ++j; while (have_[j] >= want_[j]);
+        put_own(j);
       }
-      {  // want_[l] = units u < big with (u + off) % m == l.
-        const int64_t q = big / m;
-        const int rem = static_cast<int>(big % m);
-        for (int l = 0; l < m; ++l) {
-          int d = l - off;
-          if (d < 0) d += m;
-          want_[l] = q + (d < rem ? 1 : 0);
+      int64_t x = std::min(have_[i] - want_[i], want_[j] - have_[j]);
+      have_[i] -= x;
+      have_[j] += x;
+      const int64_t src = static_cast<int64_t>(a) * m + i;
+      const int64_t dst = static_cast<int64_t>(a) * m + j;
+      while (x > 0) {
+        Piece& p = q[kept_[i] - 1];
+        const int64_t y = std::min(x, p.amount);
+        p.amount -= y;
+        x -= y;
+        pool[at++] = {p.flow_src, p.flow_dst, y};
+        if (only < 0 || src == only || dst == only) {
+          w = PutRow(w, 0, src, dst, y, p.flow_src, p.flow_dst);
         }
-      }
-      int j = 0;
-      for (int i = 0; i < m; ++i) {
-        while (have_[i] > want_[i]) {
-          while (have_[j] >= want_[j]) ++j;
-          int64_t x = std::min(have_[i] - want_[i], want_[j] - have_[j]);
-          have_[i] -= x;
-          have_[j] += x;
-          std::vector<Piece>& src = held_[i];
-          std::vector<Piece>& dst = held_[j];
-          while (x > 0) {
-            Piece& p = src.back();
-            const int64_t y = std::min(x, p.amount);
-            p.amount -= y;
-            x -= y;
-            const Piece moved{p.flow_src, p.flow_dst, y};
-            if (p.amount == 0) src.pop_back();
-            emit(0, static_cast<int64_t>(a) * m + i,
-                 static_cast<int64_t>(a) * m + j, y, moved.flow_src,
-                 moved.flow_dst);
-            dst.push_back(moved);
-          }
-        }
-      }
-      for (int l = 0; l < m; ++l) {
-        const size_t lane = (static_cast<size_t>(a) * n + b) * m + l;
-        qbeg_[lane] = static_cast<int64_t>(pool_.size());
-        pool_.insert(pool_.end(), held_[l].begin(), held_[l].end());
-        qend_[lane] = static_cast<int64_t>(pool_.size());
+        kept_[i] -= p.amount == 0;
       }
     }
   }
+  rows->Commit(w);
+  // Receivers not reached: none (shares add up to the pair's units).
+  pool_used_ = at;
+  pair_size_[static_cast<size_t>(a) * n + b] = at - start;
+}
 
-  // 4. Intra-server part.
-  for (int64_t s = gs >= 0 ? int64_t{gs} * m : 0;
-       s < (gs >= 0 ? int64_t{gs + 1} * m : g); ++s) {
+// Intra-server part: T[s, h] for h != s on the same server (only gpu_'s
+// server, and rows it sends or receives, when gpu_ >= 0).
+void FastScheduler::BuildIntra(const int64_t* traffic, RowBuffer* rows) {
+  const int m = m_;
+  const int64_t g = static_cast<int64_t>(n_) * m;
+  const int64_t only = gpu_;
+  const int64_t s0 = only >= 0 ? only / m * m : 0;
+  const int64_t s1 = only >= 0 ? s0 + m : g;
+  int64_t* w = rows->Reserve(static_cast<size_t>(s1 - s0) * m * kTransferCols);
+  for (int64_t s = s0; s < s1; ++s) {
     const int64_t base = (s / m) * m;
     for (int64_t h = base; h < base + m; ++h) {
       const int64_t x = traffic[s * g + h];
-      if (h != s && x > 0) emit(1, s, h, x, s, h);
+      if (h != s && x > 0 && (only < 0 || s == only || h == only)) {
+        w = PutRow(w, 1, s, h, x, s, h);
+      }
     }
   }
+  rows->Commit(w);
+}
 
-  // 2./3. Scale-out and redistribution per BvN stage.  Redistribution rows
-  // go to out->redistribution so each stage is written in one pass.
-  const int S = out->num_stages;
-  sent_.assign(static_cast<size_t>(n) * n, 0);
-  RowBuffer& red = out->redistribution;
-  for (int k = 0; k < S; ++k) {
-    const int64_t out_stage = 2 + 2 * static_cast<int64_t>(k);
-    const int64_t* match = out->matchings.data() + static_cast<int64_t>(k) * n;
-    for (int a = 0; a < n; ++a) {
-      // The pairs of a stage are scattered over the queues: fetch the queue
-      // bounds two servers ahead and the head pieces one server ahead.
-      if (a + 2 < n) {
-        __builtin_prefetch(qbeg_.data() + (static_cast<size_t>(a + 2) * n +
-                                           match[a + 2]) * m);
+// Scale-out of x real units of pair (a, b) in BvN stage k, lanes
+// [l_begin, l_end): unit u of the pair goes through lane (u + a + b) % m,
+// so every lane sends x / m units and the x % m lanes from the first unit's
+// lane on one more.  Each piece (part) sent is a scale-out row; a piece not
+// for the receiving peer is also a redistribution row.  Rows advance *tr
+// and *red; with gpu_ >= 0 only rows gpu_ sends or receives are kept.
+void FastScheduler::ScaleOutPair(int k, int a, int b, int64_t x, int l_begin,
+                                 int l_end, int64_t** tr, int64_t** red) {
+  const int n = n_, m = m_;
+  const int64_t stage = 2 + 2 * static_cast<int64_t>(k);
+  const int64_t only = gpu_;
+  int64_t& sent = sent_[static_cast<size_t>(a) * n + b];
+  const int64_t q = x / m;
+  const int rem = static_cast<int>(x % m);
+  const int first_lane = static_cast<int>((sent + a + b) % m);
+  sent += x;
+  const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
+  Piece* pool = pool_.data();
+  int64_t* w = *tr;
+  int64_t* r = *red;
+  for (int l = l_begin; l < l_end; ++l) {
+    int d = l - first_lane;
+    if (d < 0) d += m;
+    int64_t c = q + (d < rem ? 1 : 0);
+    int64_t h = qbeg_[lane0 + l];
+    const int64_t src = static_cast<int64_t>(a) * m + l;
+    const int64_t dst = static_cast<int64_t>(b) * m + l;
+    if (only < 0) {
+      while (c > 0) {
+        Piece& p = pool[h];
+        const int64_t y = std::min(c, p.amount);
+        w = PutRow(w, stage, src, dst, y, p.flow_src, p.flow_dst);
+        PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
+        r += p.flow_dst != dst ? kTransferCols : 0;
+        c -= y;
+        p.amount -= y;
+        h += p.amount == 0;
       }
-      if (a + 1 < n) {
-        const int64_t* nb =
-            qbeg_.data() + (static_cast<size_t>(a + 1) * n + match[a + 1]) * m;
-        for (int l = 0; l < m; ++l) __builtin_prefetch(pool_.data() + nb[l]);
-      }
-      const int64_t x = out->real[static_cast<int64_t>(k) * n + a];
-      if (x == 0) continue;
-      const int b = static_cast<int>(match[a]);
-      if (gs >= 0 && a != gs && b != gs) continue;
-      // Sending server only: just gpu_'s lane.  Receiving server: every
-      // lane (any of them may forward to gpu_).
-      const int l_begin = (gs >= 0 && b != gs) ? gl : 0;
-      const int l_end = (gs >= 0 && b != gs) ? gl + 1 : m;
-      int64_t& sent = sent_[static_cast<int64_t>(a) * n + b];
-      // Units sent..sent+x-1; unit u goes to lane (u + a + b) % m: every
-      // lane gets x / m, the x % m lanes from first_lane on get one more.
-      const int64_t q = x / m;
-      const int rem = static_cast<int>(x % m);
-      const int first_lane = static_cast<int>((sent + a + b) % m);
-      const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
-      for (int l = l_begin; l < l_end; ++l) {
-        int d = l - first_lane;
-        if (d < 0) d += m;
-        int64_t c = q + (d < rem ? 1 : 0);
-        const size_t lane = lane0 + l;
-        int64_t h = qbeg_[lane];
-        const int64_t src = static_cast<int64_t>(a) * m + l;
-        const int64_t dst = static_cast<int64_t>(b) * m + l;
-        while (c > 0) {
-          Piece& p = pool_[h];
-          const int64_t y = std::min(c, p.amount);
-          emit(out_stage, src, dst, y, p.flow_src, p.flow_dst);
-          if (p.flow_dst != dst &&
-              (only < 0 || dst == only || p.flow_dst == only)) {
-            int64_t* w = red.Append(kTransferCols);
-            w[kStage] = out_stage + 1;
-            w[kSrc] = dst;
-            w[kDst] = p.flow_dst;
-            w[kAmount] = y;
-            w[kFlowSrc] = p.flow_src;
-            w[kFlowDst] = p.flow_dst;
-          }
-          c -= y;
-          if (y == p.amount) {
-            ++h;
-          } else {
-            p.amount -= y;
-          }
+    } else if (src != only && dst != only) {
+      // Another lane of a pair of gpu_'s server: only the redistribution
+      // rows into gpu_ (rare, so the branch predicts well).
+      while (c > 0) {
+        Piece& p = pool[h];
+        const int64_t y = std::min(c, p.amount);
+        if (p.flow_dst == only) {
+          r = PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src,
+                     p.flow_dst);
         }
-        qbeg_[lane] = h;
+        c -= y;
+        p.amount -= y;
+        h += p.amount == 0;
       }
-      sent += x;
+    } else {
+      // gpu_'s own lane or its peer's: every scale-out row; the
+      // redistribution rows gpu_ forwards (it is the peer) or receives.
+      const bool peer = dst == only;
+      while (c > 0) {
+        Piece& p = pool[h];
+        const int64_t y = std::min(c, p.amount);
+        w = PutRow(w, stage, src, dst, y, p.flow_src, p.flow_dst);
+        PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
+        const bool keep_red = peer ? p.flow_dst != dst : p.flow_dst == only;
+        r += keep_red ? kTransferCols : 0;
+        c -= y;
+        p.amount -= y;
+        h += p.amount == 0;
+      }
+    }
+    qbeg_[lane0 + l] = h;
+  }
+  *tr = w;
+  *red = r;
+}
+
+// Scale-out and redistribution rows of BvN stage k (all pairs, or the two
+// pairs of gpu_'s server with gpu_ >= 0), in sending-server order.
+void FastScheduler::EmitStageRows(int k, FastSchedule* out) {
+  const int n = n_, m = m_;
+  const int64_t* match = out->matchings.data() + static_cast<size_t>(k) * n;
+  const int64_t* real = out->real.data() + static_cast<size_t>(k) * n;
+  RowBuffer& tr = out->transfers;
+  RowBuffer& red = out->redistribution;
+  // A pair's rows: at most one per piece it finishes plus one per lane.
+  auto reserve = [&](int a, int b, int64_t** w, int64_t** r) {
+    const size_t most =
+        (pair_size_[static_cast<size_t>(a) * n + b] + m) * kTransferCols;
+    *w = tr.Reserve(most);
+    *r = red.Reserve(most);
+  };
+  int64_t *w, *r;
+  if (gpu_ >= 0) {
+    const int gs = static_cast<int>(gpu_ / m), gl = static_cast<int>(gpu_ % m);
+    const int b = static_cast<int>(match[gs]);
+    const int a = inverse_[static_cast<size_t>(k) * n + gs];
+    // Receiving pair (a, gs): every lane may forward to gpu_.
+    auto receive = [&] {
+      if (a == gs || real[a] == 0) return;
+      reserve(a, gs, &w, &r);
+      ScaleOutPair(k, a, gs, real[a], 0, m, &w, &r);
+      tr.Commit(w);
+      red.Commit(r);
+    };
+    if (a < gs) receive();
+    if (b != gs && real[gs] > 0) {  // sending pair: gpu_'s lane only
+      reserve(gs, b, &w, &r);
+      ScaleOutPair(k, gs, b, real[gs], gl, gl + 1, &w, &r);
+      tr.Commit(w);
+      red.Commit(r);
+    }
+    if (a > gs) receive();
+    return;
+  }
+  for (int a = 0; a < n; ++a) {
+    // The pairs of a stage are scattered over the queues: fetch the lane
+    // heads two servers ahead and their pieces one server ahead.
+    if (a + 2 < n) {
+      __builtin_prefetch(qbeg_.data() +
+                         (static_cast<size_t>(a + 2) * n + match[a + 2]) * m);
+    }
+    if (a + 1 < n) {
+      const int64_t* nb =
+          qbeg_.data() + (static_cast<size_t>(a + 1) * n + match[a + 1]) * m;
+      for (int l = 0; l < m; ++l) __builtin_prefetch(pool_.data() + nb[l]);
+    }
+    const int b = static_cast<int>(match[a]);
+    if (real[a] == 0 || a == b) continue;
+    reserve(a, b, &w, &r);
+    ScaleOutPair(k, a, b, real[a], 0, m, &w, &r);
+    tr.Commit(w);
+    red.Commit(r);
+  }
+}
+
+void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
+  const int n = n_, m = m_;
+  // With gpu_ >= 0 only the pairs of gpu_'s server (as source or
+  // destination) are balanced and expanded.
+  const int gs = gpu_ >= 0 ? static_cast<int>(gpu_ / m) : -1;
+  const size_t nn = static_cast<size_t>(n) * n;
+  qbeg_.resize(nn * m);
+  pair_size_.resize(nn);
+  pool_used_ = 0;
+  kept_.resize(m);
+  have_.resize(m);
+  want_.resize(m);
+
+  // 1. Balancing and lane queues.
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      if (a == b || (gs >= 0 && a != gs && b != gs)) continue;
+      BalancePair(traffic, a, b, out->server[static_cast<size_t>(a) * n + b],
+                  &out->transfers);
     }
   }
+  // 4. Intra-server part.
+  BuildIntra(traffic, &out->transfers);
+  // 2./3. Scale-out and redistribution per BvN stage; redistribution rows
+  // go to out->redistribution so each stage is written in one pass.
+  sent_.assign(nn, 0);
+  for (int k = 0; k < out->num_stages; ++k) EmitStageRows(k, out);
 }
 
 int64_t SpreadOutTime(const int64_t* x, int n) {

@@ -9,6 +9,17 @@
 // (peer GPU l -> l) and redistribution, and the intra-server part.  Each
 // re-augmentation is a breadth-first search (shortest augmenting path).
 //
+// Implementation (same results, less work):
+// * Decomposition subtracts stage weights lazily: a matched row keeps
+//   key = residual + weight subtracted so far, so a stage is a minimum over
+//   n contiguous keys, and only the rows it zeroes are touched.  Real units
+//   equal the weight except on padded entries, which alone are tracked.
+// * Lane queues are flat: every lane's pieces lie back to back in one pool.
+// * With gpu >= 0 only the two server pairs of gpu's server in each stage
+//   (the inverse matching is kept per stage) are expanded.
+// * Rows are written through raw pointers after one capacity check per
+//   server pair.
+//
 // A FastScheduler keeps its buffers between calls: scheduling matrices of
 // the same size again does not allocate.
 #ifndef MOE_JAX_XLA_FFI_FAST_SCHEDULER_H_
@@ -37,6 +48,15 @@ class RowBuffer {
     int64_t* p = data_.get() + size_;
     size_ += k;
     return p;
+  }
+  // Pointer to the end, with room for at least k more slots; write through
+  // it, then Commit the pointer past the last slot written.
+  int64_t* Reserve(size_t k) {
+    if (size_ + k > capacity_) Grow(size_ + k);
+    return data_.get() + size_;
+  }
+  void Commit(const int64_t* end) {
+    size_ = static_cast<size_t>(end - data_.get());
   }
   // Hands the storage to the caller (freed with std::free).
   int64_t* Release() {
@@ -104,21 +124,39 @@ class FastScheduler {
     int32_t flow_dst;
     int64_t amount;
   };
-  bool Augment(int u);
+  int64_t ServerMatrix(const int64_t* traffic, FastSchedule* out);
+  void Pad(FastSchedule* out);
+  bool Augment(int u, int64_t cum);
+  void Rematch(int row, int col, int64_t cum);
   bool Decompose(FastSchedule* out);
+  void EmitStageRows(int k, FastSchedule* out);
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
+  void BalancePair(const int64_t* traffic, int a, int b, int64_t big,
+                   RowBuffer* rows);
+  void BuildIntra(const int64_t* traffic, RowBuffer* rows);
+  void ScaleOutPair(int k, int a, int b, int64_t x, int l_begin, int l_end,
+                    int64_t** tr, int64_t** red);
 
   int n_ = 0;
   int m_ = 0;
   int64_t gpu_ = -1;
-  std::vector<int64_t> residual_;
-  std::vector<int> match_row_, match_col_, prev_, queue_;
+  // Decomposition: unmatched entries' residuals, matched rows' keys.
+  std::vector<int64_t> residual_;   // [n * n]
+  std::vector<int64_t> key_;        // [n] residual of the matched entry + cum
+  std::vector<int64_t> real_left_;  // [n * n] real units left (padded entries)
+  std::vector<uint8_t> on_padding_;  // [n] matched entry has padding
+  std::vector<int> match_row_, match_col_, prev_, queue_, freed_;
+  std::vector<int32_t> inverse_;    // [S * n] server sending to b in stage k
   int words_ = 0;                   // 64-bit words per bitset row
   std::vector<uint64_t> support_;   // [n * words_] residual > 0
   std::vector<uint64_t> seen_;      // [words_] columns reached
-  std::vector<Piece> pool_;            // all lane queues, back to back
-  std::vector<int64_t> qbeg_, qend_;   // [n * n * M] queue bounds in pool_
-  std::vector<std::vector<Piece>> held_;  // [M] scratch for one tile
+  // Lane queues: lane (a, b, l) is pool_[qbeg_[lane] ..), the lanes of a
+  // pair back to back; pool_ only grows (pool_used_ pieces in use).
+  std::vector<Piece> pool_;
+  int64_t pool_used_ = 0;
+  std::vector<int64_t> qbeg_;       // [n * n * M] head of each lane
+  std::vector<int64_t> pair_size_;  // [n * n] pieces of the pair's lanes
+  std::vector<int> kept_;           // [M] own pieces a lane still holds
   std::vector<int64_t> have_, want_, rowacc_;
   std::vector<int64_t> remaining_, sent_;
 };

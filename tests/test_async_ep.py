@@ -338,3 +338,83 @@ def test_sync_baseline_matches_whole_sequence_reference(kernels):
     for r in requests:
         assert outputs[r.request_id] == _reference_generate(
             kernels.params, CONFIG, r.prompt, r.max_new_tokens)
+
+
+# ---------------------------------------------------------------- placement, costs, donation
+
+def test_disaggregated_placement():
+    from moe_jax.async_ep.dispatcher import Placement
+    pl = Placement.disaggregated(4, 2, 8, num_blocks=2)
+    assert pl.rank_devices == (0, 1)
+    assert pl.expert_devices == (2, 3, 2, 3, 2, 3, 2, 3)
+    assert all(layer.kind != tk.EXPERT for layer in pl.layers_on(0))
+    assert all(layer.kind == tk.EXPERT for layer in pl.layers_on(3))
+    assert Placement.make("colocated", 4, 2, 8, 2) == Placement.colocated(4, 2, 8, 2)
+    with pytest.raises(ValueError, match="num_attention_devices"):
+        Placement.disaggregated(4, 4, 8, 2)
+    with pytest.raises(ValueError, match="layout"):
+        Placement.make("ring", 4, 2, 8, 2)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_disaggregated_async_matches_sync(kernels, scheduler):
+    """AMoE's layout (attention and experts on different devices), timed and ticked."""
+    from moe_jax.async_ep.dispatcher import Placement
+    from moe_jax.async_ep.executor import TimedAsyncEngine
+    base = make_requests(8, seed=6)
+    expected = sync_outputs(kernels, base)
+    pl = Placement.disaggregated(NUM_DEVICES, 2, CONFIG.num_experts, CONFIG.num_blocks)
+    engine = TimedAsyncEngine(kernels, make_scheduler(scheduler), NUM_DEVICES, 2, SLOTS,
+                              placement=pl)
+    assert engine.run(base, delivery=Delivery(seed=1, max_delay=2)).outputs == expected
+    timed = engine.run_timed([Request(r.request_id, r.prompt, r.max_new_tokens,
+                                      arrival=1e-4 * r.request_id) for r in base],
+                             latency_s=1e-4, cost=lambda layer, n: 1e-3)
+    assert timed.finished and timed.outputs == expected
+    busy = timed.device_busy_s
+    assert len(busy) == NUM_DEVICES and all(b > 0 for b in busy)
+    sync = SyncEngine(kernels, NUM_DEVICES, 2, SLOTS, placement=pl).run(base)
+    assert sync.outputs == expected
+
+
+def test_local_messages_have_no_latency(kernels):
+    """One device: every message stays local, so latency must not change the clocks."""
+    from moe_jax.async_ep.executor import TimedAsyncEngine
+    requests = make_requests(3, seed=7)
+    engine = TimedAsyncEngine(kernels, make_scheduler("defrag"), 1, 1, SLOTS)
+    cost = lambda layer, n: 1e-3  # noqa: E731
+    fast = engine.run_timed(requests, latency_s=0.0, cost=cost)
+    slow = engine.run_timed(requests, latency_s=5e-3, cost=cost)
+    assert fast.token_times == slow.token_times
+    assert fast.outputs == slow.outputs == sync_outputs(kernels, requests)
+
+
+def test_cost_table():
+    from moe_jax.async_ep.costs import CostTable
+    table = CostTable.model(1e-4, 1e-6, max_batch=8)
+    assert table(tk.expert_layer(0, 1), 3) == pytest.approx(1e-4 + 4e-6)
+    assert table(tk.attention_layer(1, 0), 8) == pytest.approx(1e-4 + 8e-6)
+    assert CostTable(table.as_dict(), 8).as_dict() == table.as_dict()
+    with pytest.raises(ValueError, match="buckets"):
+        CostTable({kind: {1: 1.0, 2: 1.0} for kind in tk.KINDS}, 8)
+
+
+def test_measured_cost_table_and_donated_caches():
+    """Measuring costs runs every kind at every bucket without recompiling the
+    kernels the engines use; attention donates and chains its KV cache."""
+    from moe_jax.async_ep.costs import CostTable
+    config = TinyMoEConfig(vocab=32, hidden=8, ffn=16, heads=2, num_blocks=1, num_experts=2,
+                           top_k=1, max_len=8)
+    kern = LayerKernels(config, init_params(jax.random.PRNGKey(3), config), max_batch=4)
+    dev = jax.devices("cpu")[:2]
+    kern.warm_up([dev[0]], [dev[1]], slots=3)
+    table = CostTable.measure(kern, [dev[0]], [dev[1]], slots=3, rounds=2, chain=2)
+    assert set(table.as_dict()) == set(tk.KINDS)
+    assert all(set(t) == {1, 2, 4} and all(s > 0 for s in t.values())
+               for t in table.as_dict().values())
+    cache = kern.new_cache(dev[0], 3)[0]
+    x = np.ones((2, 8), np.float32)
+    out = kern.attention(dev[0], 0, x, np.zeros(2, np.int32), np.arange(2, dtype=np.int32),
+                         cache, 3)
+    assert cache[0].is_deleted() and not out[4][0].is_deleted()
+    assert np.asarray(out[4][0])[:2, 0].any()

@@ -1,4 +1,4 @@
-"""Asynchronous expert parallelism (AMoE-style) simulated on CPU devices.
+"""Asynchronous expert parallelism (AMoE-style) simulated on JAX devices (CPU or GPU).
 
 Devices do not meet at an all-to-all barrier: every device keeps one FIFO
 queue per layer it hosts (attention of a block on an attention rank, or one
@@ -15,11 +15,12 @@ from moe_jax.async_ep.schedulers import (DefragScheduler, FirstLayerFirst, MostT
 from moe_jax.async_ep.requests import Coordinator, Request
 from moe_jax.async_ep.dispatcher import Dispatcher, Placement
 from moe_jax.async_ep.model import LayerKernels, TinyMoEConfig, init_params
+from moe_jax.async_ep.costs import CostTable
 from moe_jax.async_ep.executor import AsyncEngine, Delivery, DeviceExecutor, RunResult, TimedAsyncEngine
 from moe_jax.async_ep.baseline import SyncEngine
 
 __all__ = [
-    "AsyncEngine", "Coordinator", "DefragScheduler", "Delivery", "DeviceExecutor", "Dispatcher",
+    "AsyncEngine", "Coordinator", "CostTable", "DefragScheduler", "Delivery", "DeviceExecutor", "Dispatcher",
     "FirstLayerFirst", "LayerId", "LayerKernels", "LayerQueues", "MostTokensFirst", "Placement",
     "Receptor", "Request", "RunResult", "Scheduler", "SchedulerState", "SyncEngine",
     "TimedAsyncEngine", "TinyMoEConfig", "Token", "TokenPool", "attention_layer", "combine_topk",

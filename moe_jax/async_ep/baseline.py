@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from moe_jax.async_ep import tokens as tk
-from moe_jax.async_ep.dispatcher import Placement, cpu_devices_and_placement
+from moe_jax.async_ep.dispatcher import Placement, devices_and_placement
 from moe_jax.async_ep.executor import RunResult
 from moe_jax.async_ep.model import LayerKernels, embed
 from moe_jax.async_ep.pool import combine_topk
@@ -27,10 +27,11 @@ class SyncEngine:
     """Barrier-synchronous EP with the same placement and kernels as AsyncEngine."""
 
     def __init__(self, kernels: LayerKernels, num_devices: int = 2, num_ranks: int = 1,
-                 slots_per_rank: int = 8, placement: Placement | None = None):
+                 slots_per_rank: int = 8, placement: Placement | None = None,
+                 platform: str = "cpu"):
         self.kernels = kernels
-        devices, self.placement = cpu_devices_and_placement(kernels.config, num_devices,
-                                                            num_ranks, placement)
+        devices, self.placement = devices_and_placement(kernels.config, num_devices,
+                                                        num_ranks, placement, platform)
         self.num_ranks = len(self.placement.rank_devices)
         self.slots_per_rank = slots_per_rank
         self.devices = devices
@@ -59,10 +60,13 @@ class SyncEngine:
         start = time.perf_counter()
         executions, sizes, step, clock = 0, [], 0, 0.0
         busy = collections.Counter()
+        device_busy = [0.0] * pl.num_devices
 
         def timed_call(dev_index, layer, n, fn, *args):
             out = fn(*args)
-            busy[dev_index] += k.last_call_s if cost is None else cost(layer, n)
+            spent = k.last_call_s if cost is None else cost(layer, n)
+            busy[dev_index] += spent
+            device_busy[dev_index] += spent
             return out
 
         def end_phase():
@@ -155,4 +159,5 @@ class SyncEngine:
             token_times={rid: (list(s.token_times) if timed else
                                [t - start for t in s.token_walls]) for rid, s in states.items()},
             arrivals={r.request_id: r.arrival for r in requests}, wall_s=wall,
-            executions=executions, mean_batch=float(np.mean(sizes)) if sizes else 0.0)
+            executions=executions, mean_batch=float(np.mean(sizes)) if sizes else 0.0,
+            device_busy_s=device_busy if timed else None)

@@ -2,7 +2,12 @@
 
 Placement: attention rank r (all blocks) and its sampler live on device
 `rank_devices[r]`; expert e of every block on device `expert_devices[e]`
-(AMoE colocates one layer type across all blocks).
+(AMoE colocates one layer type across all blocks). Two layouts:
+
+  colocated:      attention DP ranks on devices 0..R-1, expert e on device
+                  e % D (every device may run attention and experts);
+  disaggregated:  attention ranks on devices 0..R-1 only, experts on the
+                  other D - R devices (AMoE's default layout).
 """
 
 from __future__ import annotations
@@ -34,6 +39,27 @@ class Placement:
             raise ValueError(f"num_ranks must be in [1, {num_devices}], got {num_ranks}")
         return Placement(num_blocks, tuple(range(num_ranks)),
                          tuple(e % num_devices for e in range(num_experts)))
+
+    @staticmethod
+    def disaggregated(num_devices: int, num_attention_devices: int, num_experts: int,
+                      num_blocks: int):
+        """Rank r on device r (r < A); expert e on device A + e % (D - A)."""
+        if not 1 <= num_attention_devices < num_devices:
+            raise ValueError(f"num_attention_devices must be in [1, {num_devices - 1}], "
+                             f"got {num_attention_devices}")
+        experts_on = num_devices - num_attention_devices
+        return Placement(num_blocks, tuple(range(num_attention_devices)),
+                         tuple(num_attention_devices + e % experts_on
+                               for e in range(num_experts)))
+
+    @staticmethod
+    def make(layout: str, num_devices: int, num_ranks: int, num_experts: int, num_blocks: int):
+        """'colocated' or 'disaggregated' (then num_ranks attention devices)."""
+        if layout == "colocated":
+            return Placement.colocated(num_devices, num_ranks, num_experts, num_blocks)
+        if layout == "disaggregated":
+            return Placement.disaggregated(num_devices, num_ranks, num_experts, num_blocks)
+        raise ValueError(f"layout must be 'colocated' or 'disaggregated', got {layout!r}")
 
     @property
     def num_devices(self) -> int:
@@ -122,15 +148,19 @@ def as_batch(tokens: Sequence[Token]) -> tuple[np.ndarray, np.ndarray]:
             np.asarray([t.position for t in tokens], np.int32))
 
 
-def cpu_devices_and_placement(config, num_devices: int, num_ranks: int,
-                              placement: Placement | None):
-    """The first `num_devices` CPU devices and the placement on them (default:
-    Placement.colocated); raises ValueError for an impossible device count."""
+def devices_and_placement(config, num_devices: int, num_ranks: int,
+                          placement: Placement | None, platform: str = "cpu"):
+    """The first `num_devices` JAX devices of `platform` ("cpu", "gpu", ...)
+    and the placement on them (default: Placement.colocated); raises
+    ValueError for an impossible device count."""
     import jax  # noqa: PLC0415
 
-    devices = jax.devices("cpu")
+    devices = jax.devices(platform)
     if not 1 <= num_devices <= len(devices):
         raise ValueError(f"num_devices must be in [1, {len(devices)}], got {num_devices}")
     placement = placement or Placement.colocated(num_devices, num_ranks, config.num_experts,
                                                  config.num_blocks)
+    if placement.num_devices > num_devices:
+        raise ValueError(f"placement: uses {placement.num_devices} devices, "
+                         f"num_devices is {num_devices}")
     return devices[:num_devices], placement

@@ -25,7 +25,7 @@ import numpy as np
 
 from moe_jax.async_ep import tokens as tk
 from moe_jax.async_ep.dispatcher import (Dispatcher, Placement, as_batch,
-                                         cpu_devices_and_placement)
+                                         devices_and_placement)
 from moe_jax.async_ep.model import LayerKernels
 from moe_jax.async_ep.pool import Receptor, TokenPool
 from moe_jax.async_ep.queues import LayerQueues
@@ -114,6 +114,7 @@ class RunResult:
     executions: int
     mean_batch: float
     log: list | None = None
+    device_busy_s: list | None = None   # timed runs: simulated busy seconds per device
 
 
 class AsyncEngine:
@@ -127,13 +128,15 @@ class AsyncEngine:
       num_ranks: attention DP ranks (devices 0..num_ranks-1).
       slots_per_rank: concurrent requests per rank.
       placement: overrides the colocated default placement.
+      platform: JAX platform of the devices ("cpu" or "gpu").
     """
 
     def __init__(self, kernels: LayerKernels, scheduler, num_devices: int = 2,
-                 num_ranks: int = 1, slots_per_rank: int = 8, placement: Placement | None = None):
+                 num_ranks: int = 1, slots_per_rank: int = 8, placement: Placement | None = None,
+                 platform: str = "cpu"):
         self.kernels = kernels
-        self.devices, self.placement = cpu_devices_and_placement(
-            kernels.config, num_devices, num_ranks, placement)
+        self.devices, self.placement = devices_and_placement(
+            kernels.config, num_devices, num_ranks, placement, platform)
         self.num_devices = num_devices
         self.num_ranks = len(self.placement.rank_devices)
         self.slots_per_rank = slots_per_rank
@@ -208,7 +211,8 @@ class TimedAsyncEngine(AsyncEngine):
     advances that device's clock by the measured wall time of its kernel
     call (padding, transfer, run, copy back; `LayerKernels.last_call_s`), or by
     `cost(layer, n_rows)` when given), and its outputs arrive `latency_s`
-    later. Devices therefore overlap in simulated time as real ones would,
+    later at another device, at once on the same device (the sampler's next
+    token to block-0 attention, an expert's output to a colocated rank). Devices therefore overlap in simulated time as real ones would,
     while the host runs them one after another. Request arrivals are in
     seconds of simulated time.
     """
@@ -218,6 +222,7 @@ class TimedAsyncEngine(AsyncEngine):
         import heapq
         coordinator, dispatcher, executors = self._wire()
         clocks = [0.0] * len(executors)
+        busy = [0.0] * len(executors)
         inbox = [[] for _ in executors]     # per device heap of (time, seq, token)
         seq = 0
         pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
@@ -271,11 +276,13 @@ class TimedAsyncEngine(AsyncEngine):
             out = ex.execute(layer, batch, now)
             spent = self.kernels.last_call_s if cost is None else cost(layer, len(batch))
             clocks[i] = now + spent
+            busy[i] += spent
             for rid, n in before.items():   # stamp tokens with the end of the execution
                 times = coordinator.states[rid].token_times
                 times[n:] = [clocks[i]] * (len(times) - n)
             for dest, token in out:
-                heapq.heappush(inbox[dest], (clocks[i] + latency_s, seq, token))
+                due = clocks[i] + (0.0 if dest == i else latency_s)
+                heapq.heappush(inbox[dest], (due, seq, token))
                 seq += 1
             executions += 1
         wall = time.perf_counter() - start
@@ -288,4 +295,5 @@ class TimedAsyncEngine(AsyncEngine):
             token_ticks={rid: list(s.token_times) for rid, s in states.items()},
             token_times={rid: list(s.token_times) for rid, s in states.items()},
             arrivals={r.request_id: r.arrival for r in requests}, wall_s=wall,
-            executions=len(sizes), mean_batch=float(np.mean(sizes)) if sizes else 0.0)
+            executions=len(sizes), mean_batch=float(np.mean(sizes)) if sizes else 0.0,
+            device_busy_s=busy)

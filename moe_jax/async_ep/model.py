@@ -185,8 +185,11 @@ class LayerKernels:
         self.compile_count = 0
         self.calls = 0
         self.last_call_s = 0.0   # wall time of the latest attention/expert/sampler call
+        # The KV caches (arguments 4 and 5) are updated in place: without
+        # donation every call would copy the whole cache of the block.
         self._attention = jax.jit(lambda *a: attention_fn(*a, heads=config.heads,
-                                                          top_k=config.top_k))
+                                                          top_k=config.top_k),
+                                  donate_argnums=(4, 5))
         self._expert = jax.jit(expert_fn)
         self._sampler = jax.jit(sampler_fn)
         self._on_device: dict[Any, Any] = {}
@@ -229,7 +232,10 @@ class LayerKernels:
         return np.concatenate([rows, pad])
 
     def attention(self, device, block: int, x, pos, slot, cache, spare_slot: int):
-        """Runs attention of `block` on rows x [n,H]; returns host arrays + new cache."""
+        """Runs attention of `block` on rows x [n,H]; returns host arrays + new cache.
+
+        The buffers of `cache` are donated: only the returned cache is valid afterwards.
+        """
         t0 = time.perf_counter()
         n = x.shape[0]
         pb = self.params_on(device)["attention"][block]
@@ -262,6 +268,32 @@ class LayerKernels:
         self.last_call_s = time.perf_counter() - t0
         return out
 
+    def timing_step(self, kind: str, device, size: int, slots: int):
+        """A zero-argument function that runs one `kind` execution ("attention",
+        "expert" or "sampler") of `size` rows on `device` with inputs already on
+        the device, and returns its outputs unblocked (for cost measurement).
+        Attention chains its donated KV cache from call to call."""
+        c = self.config
+        p = self.params_on(device)
+        put = lambda a: jax.device_put(a, device)  # noqa: E731
+        x = put(np.random.default_rng(size).normal(size=(size, c.hidden)).astype(np.float32))
+        if kind == "expert":
+            weights = p["experts"][0][0]
+            return lambda: self._expert(*weights, x)
+        if kind == "sampler":
+            return lambda: self._sampler(p["final_norm"], p["lm_head"], x)
+        if kind != "attention":
+            raise ValueError(f"kind must be 'attention', 'expert' or 'sampler', got {kind!r}")
+        pos = put(np.full((size,), c.max_len - 1, np.int32))
+        slot = put((np.arange(size) % slots).astype(np.int32))
+        cache = list(self.new_cache(device, slots)[0])
+
+        def step():
+            out = self._attention(p["attention"][0], x, pos, slot, cache[0], cache[1])
+            cache[0], cache[1] = out[4], out[5]
+            return out
+        return step
+
     def warm_up(self, attention_devices, expert_devices, slots: int) -> int:
         """Compiles every bucket of every function on the devices that run it;
         returns the compilations this caused."""
@@ -272,7 +304,7 @@ class LayerKernels:
             for size in self.buckets:
                 zeros = np.zeros((size, h), np.float32)
                 idx = np.zeros((size,), np.int32)
-                self.attention(device, 0, zeros, idx, idx + slots, cache, slots)
+                cache = self.attention(device, 0, zeros, idx, idx + slots, cache, slots)[4]
                 self.sampler(device, zeros)
         for device in expert_devices:
             for size in self.buckets:

@@ -5,8 +5,9 @@
 // for one (tokens, top_k, experts_per_rank, row_bytes, dispatch format)
 // signature: on every rank one device allocation holding
 //
-//   counters  u64[4 * P + 8]: dispatch arrivals / acks, combine arrivals /
-//             acks (one per peer), then 4 call epochs and 4 block tallies
+//   counters  u64[4 * P + 9]: dispatch arrivals / acks, combine arrivals /
+//             acks (one per peer), then 4 call epochs and 5 block tallies
+//             (the four calls and the plan)
 //   headers   i32[2][P][P * E_local]: each source's send counts, per parity
 //   index     i32[2][P][W]: for each source, the token row (in its dispatch
 //             staging) of every entry of its stream to this rank
@@ -14,8 +15,10 @@
 //             and destination rank however many of its picks live there
 //   combine   [2][P][W][row_bytes]: expert outputs each expert rank returned,
 //             one per (token, pick)
-//   local     i32[T][P] token rows of this rank's current send, then (fp8
-//             dispatch) its quantized tokens [T][D]; never read by peers
+//   local     i32[T][P] token rows of this rank's current send (relative to
+//             their plan chunk), i32[chunks][P * E_local] and i32[chunks][P]
+//             where each plan chunk's entries and token rows start, then
+//             (fp8 dispatch) the quantized tokens [T][D]; never read by peers
 //
 // with W = T * min(k, E_local), the most (token, pick) entries one source
 // can send one rank, and D the bytes of a dispatched row (row_bytes, or
@@ -49,6 +52,7 @@ namespace moe_jax::cuda::nvlink {
 inline constexpr int kMaxRanks = 8;
 inline constexpr int kMaxExperts = 1024;        // P * E_local
 inline constexpr int kMaxLocalExperts = 256;    // E_local
+inline constexpr int kPlanChunkTokens = 128;    // tokens one plan block orders
 
 // Counter slots (u64) at the start of every rank's block.
 struct Counters {
@@ -57,11 +61,14 @@ struct Counters {
   MOE_JAX_HD static int64_t CombineArrive(int p, int src) { return 2 * p + src; }
   MOE_JAX_HD static int64_t CombineAck(int p, int dst) { return 3 * p + dst; }
   MOE_JAX_HD static int64_t Epoch(int p, int call) { return 4 * p + call; }   // call 0..3
-  MOE_JAX_HD static int64_t Tally(int p, int call) { return 4 * p + 4 + call; }
-  MOE_JAX_HD static int64_t Count(int p) { return 4 * p + 8; }
+  MOE_JAX_HD static int64_t Tally(int p, int call) { return 4 * p + 4 + call; }  // call 0..4
+  MOE_JAX_HD static int64_t Count(int p) { return 4 * p + 9; }
 };
 
-enum Call : int { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
+enum Call : int {
+  kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3,
+  kPlan = 4,  // a tally only: the plan has no epoch and signals no peer
+};
 
 struct ChannelShape {
   int32_t num_ranks = 0;         // P
@@ -102,8 +109,17 @@ struct ChannelShape {
   MOE_JAX_HD int64_t TokenRowsOffset() const {
     return Align(CombineOffset() + CombineStagingBytes());
   }
-  MOE_JAX_HD int64_t QuantizedOffset() const {
+  MOE_JAX_HD int64_t PlanChunks() const {
+    return (tokens + kPlanChunkTokens - 1) / kPlanChunkTokens;
+  }
+  MOE_JAX_HD int64_t ChunkEntryStartOffset() const {
     return Align(TokenRowsOffset() + tokens * num_ranks * 4);
+  }
+  MOE_JAX_HD int64_t ChunkRowStartOffset() const {
+    return Align(ChunkEntryStartOffset() + PlanChunks() * NumExperts() * 4);
+  }
+  MOE_JAX_HD int64_t QuantizedOffset() const {
+    return Align(ChunkRowStartOffset() + PlanChunks() * num_ranks * 4);
   }
   MOE_JAX_HD int64_t TotalBytes() const {
     return QuantizedOffset() + (dispatch_fp8 ? tokens * DispatchRowBytes() : 0);
@@ -127,6 +143,12 @@ int CombineRecvBlocks(const ChannelShape& s);
 // Once per device (current device) before the first launch for this shape.
 cudaError_t ConfigureKernels(const ChannelShape& s);
 
+// Whether LaunchDispatch / LaunchCombine run as one kernel for this shape on
+// the current device (small calls: every block of the grid fits on the GPU
+// at once, and the plan fits one block).
+bool FusedDispatch(const ChannelShape& s);
+bool FusedCombine(const ChannelShape& s);
+
 // dispatch send: positions of this rank's (token, pick) slots in their
 // streams, send counts, then each token's row once into the buffer of every
 // rank that one of its picks lives on (quantized first for fp8 dispatch).
@@ -146,6 +168,13 @@ cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, float* scales,
                                int32_t* group_sizes, int32_t* all_counts,
                                cudaStream_t stream);
 
+// dispatch send then dispatch recv, as one kernel when FusedDispatch(s)
+// (plus the quantization kernel for fp8 dispatch).
+cudaError_t LaunchDispatch(const ChannelView& ch, const void* x,
+                           const int32_t* expert_ids, int32_t* slot_pos,
+                           int32_t* send_counts, void* rows, float* scales,
+                           int32_t* group_sizes, int32_t* all_counts, cudaStream_t stream);
+
 // combine send: expert outputs y [P * W, row_bytes] (the layout dispatch
 // recv produced) back to their sources. all_counts from dispatch recv.
 cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y,
@@ -157,6 +186,12 @@ cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y,
 cudaError_t LaunchCombineRecv(const ChannelView& ch, ElemType type,
                               const int32_t* expert_ids, const int32_t* slot_pos,
                               const float* weights, void* out, cudaStream_t stream);
+
+// combine send then combine recv, as one kernel when FusedCombine(s).
+cudaError_t LaunchCombine(const ChannelView& ch, ElemType type, const void* y,
+                          const int32_t* all_counts, const int32_t* expert_ids,
+                          const int32_t* slot_pos, const float* weights, void* out,
+                          cudaStream_t stream);
 
 }  // namespace moe_jax::cuda::nvlink
 

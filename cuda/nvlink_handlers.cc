@@ -303,11 +303,34 @@ ffi::Error Need(bool ok, std::string_view call, std::string_view what, const std
                  Describe(got));
 }
 
-ffi::Error DispatchSend(const Site& site, ffi::AnyBuffer x,
-                        ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts,
-                        const Attrs& a) {
-  ChannelView ch;
-  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
+// What each half's kernels take, once its buffers are checked.
+struct DispatchSendArgs {
+  const void* x;
+  const int32_t* expert_ids;
+  int32_t* slot_pos;
+  int32_t* send_counts;
+};
+struct DispatchRecvArgs {
+  void* rows;
+  float* scales;
+  int32_t* group_sizes;
+  int32_t* all_counts;
+};
+struct CombineSendArgs {
+  const void* y;
+  const int32_t* all_counts;
+};
+struct CombineRecvArgs {
+  ElemType type;
+  const int32_t* expert_ids;
+  const int32_t* slot_pos;
+  const float* weights;
+  void* out;
+};
+
+ffi::Error CheckDispatchSend(const ChannelView& ch, ffi::AnyBuffer x,
+                             ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts,
+                             const Attrs& a, DispatchSendArgs* args) {
   const std::optional<ElemType> type = FloatType(x.element_type());
   const bool fp8 = ch.shape.dispatch_fp8 != 0;
   if (auto e = Need(type && (!fp8 || *type == ElemType::kBF16) &&
@@ -326,18 +349,16 @@ ffi::Error DispatchSend(const Site& site, ffi::AnyBuffer x,
       e.failure()) {
     return e;
   }
-  return Launched("dispatch_send",
-                  LaunchDispatchSend(ch, x.untyped_data(),
-                                     static_cast<const int32_t*>(expert_ids.untyped_data()),
-                                     static_cast<int32_t*>(slot_pos->untyped_data()),
-                                     static_cast<int32_t*>(send_counts->untyped_data()), site.stream));
+  *args = {x.untyped_data(), static_cast<const int32_t*>(expert_ids.untyped_data()),
+           static_cast<int32_t*>(slot_pos->untyped_data()),
+           static_cast<int32_t*>(send_counts->untyped_data())};
+  return ffi::Error::Success();
 }
 
 // scales: nullptr unless the channel dispatches fp8.
-ffi::Error DispatchRecv(const Site& site, Ret rows, Ret* scales,
-                        Ret group_sizes, Ret all_counts, const Attrs& a) {
-  ChannelView ch;
-  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
+ffi::Error CheckDispatchRecv(const ChannelView& ch, Ret rows, Ret* scales,
+                             Ret group_sizes, Ret all_counts, const Attrs& a,
+                             DispatchRecvArgs* args) {
   const ChannelShape& s = ch.shape;
   const int64_t want_rows = a.group_size * s.RowsPerSource();
   const bool fp8 = s.dispatch_fp8 != 0;
@@ -366,17 +387,15 @@ ffi::Error DispatchRecv(const Site& site, Ret rows, Ret* scales,
       return e;
     }
   }
-  float* scales_data = fp8 ? static_cast<float*>((*scales)->untyped_data()) : nullptr;
-  return Launched("dispatch_recv",
-                  LaunchDispatchRecv(ch, rows->untyped_data(), scales_data,
-                                     static_cast<int32_t*>(group_sizes->untyped_data()),
-                                     static_cast<int32_t*>(all_counts->untyped_data()), site.stream));
+  *args = {rows->untyped_data(),
+           fp8 ? static_cast<float*>((*scales)->untyped_data()) : nullptr,
+           static_cast<int32_t*>(group_sizes->untyped_data()),
+           static_cast<int32_t*>(all_counts->untyped_data())};
+  return ffi::Error::Success();
 }
 
-ffi::Error CombineSend(const Site& site, ffi::AnyBuffer y,
-                       ffi::AnyBuffer all_counts, const Attrs& a) {
-  ChannelView ch;
-  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
+ffi::Error CheckCombineSend(const ChannelView& ch, ffi::AnyBuffer y,
+                            ffi::AnyBuffer all_counts, const Attrs& a, CombineSendArgs* args) {
   const int64_t want_rows = a.group_size * ch.shape.RowsPerSource();
   const std::optional<ElemType> type = FloatType(y.element_type());
   if (auto e = Need(type && HasDims(y, {want_rows, a.row_bytes / ElemBytes(*type)}),
@@ -393,17 +412,13 @@ ffi::Error CombineSend(const Site& site, ffi::AnyBuffer y,
       e.failure()) {
     return e;
   }
-  return Launched("combine_send",
-                  LaunchCombineSend(ch, y.untyped_data(),
-                                    static_cast<const int32_t*>(all_counts.untyped_data()),
-                                    site.stream));
+  *args = {y.untyped_data(), static_cast<const int32_t*>(all_counts.untyped_data())};
+  return ffi::Error::Success();
 }
 
-ffi::Error CombineRecv(const Site& site, ffi::AnyBuffer expert_ids,
-                       ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out,
-                       const Attrs& a) {
-  ChannelView ch;
-  if (ffi::Error err = Find(a, site, &ch); err.failure()) return err;
+ffi::Error CheckCombineRecv(ffi::AnyBuffer expert_ids, ffi::AnyBuffer slot_pos,
+                            ffi::AnyBuffer weights, Ret out, const Attrs& a,
+                            CombineRecvArgs* args) {
   const std::optional<ElemType> type = FloatType(out->element_type());
   if (auto e = Need(type && HasDims(*out, {a.tokens, a.row_bytes / ElemBytes(*type)}),
                     "combine_recv", "result `out`", "[tokens, H] in x's dtype", *out);
@@ -421,76 +436,128 @@ ffi::Error CombineRecv(const Site& site, ffi::AnyBuffer expert_ids,
       return e;
     }
   }
-  return Launched("combine_recv",
-                  LaunchCombineRecv(ch, *type,
-                                    static_cast<const int32_t*>(expert_ids.untyped_data()),
-                                    static_cast<const int32_t*>(slot_pos.untyped_data()),
-                                    static_cast<const float*>(weights.untyped_data()),
-                                    out->untyped_data(), site.stream));
+  *args = {*type, static_cast<const int32_t*>(expert_ids.untyped_data()),
+           static_cast<const int32_t*>(slot_pos.untyped_data()),
+           static_cast<const float*>(weights.untyped_data()), out->untyped_data()};
+  return ffi::Error::Success();
 }
 
-// The execute handlers. Fused calls run both halves: nothing XLA schedules
-// can come between them, so consecutive calls of a channel always
-// alternate send and receive.
+// The execute handlers. Fused calls run both halves (in one kernel where
+// the shape allows): nothing XLA schedules can come between them, so
+// consecutive calls of a channel always alternate send and receive.
 
 ffi::Error DispatchSendImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                             ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
                             Ret send_counts, Attrs a) {
-  return DispatchSend(Site{stream, device, collectives}, x, expert_ids, slot_pos, send_counts, a);
+  ChannelView ch;
+  DispatchSendArgs s;
+  if (ffi::Error e = Find(a, Site{stream, device, collectives}, &ch); e.failure()) return e;
+  if (ffi::Error e = CheckDispatchSend(ch, x, expert_ids, slot_pos, send_counts, a, &s);
+      e.failure()) {
+    return e;
+  }
+  return Launched("dispatch_send", LaunchDispatchSend(ch, s.x, s.expert_ids, s.slot_pos,
+                                                      s.send_counts, stream));
+}
+
+// scales: nullptr unless the channel dispatches fp8.
+ffi::Error DispatchRecvAny(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                           Ret rows, Ret* scales, Ret group_sizes, Ret all_counts,
+                           const Attrs& a) {
+  ChannelView ch;
+  DispatchRecvArgs r;
+  if (ffi::Error e = Find(a, Site{stream, device, collectives}, &ch); e.failure()) return e;
+  if (ffi::Error e = CheckDispatchRecv(ch, rows, scales, group_sizes, all_counts, a, &r);
+      e.failure()) {
+    return e;
+  }
+  return Launched("dispatch_recv", LaunchDispatchRecv(ch, r.rows, r.scales, r.group_sizes,
+                                                      r.all_counts, stream));
 }
 
 ffi::Error DispatchRecvImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                             ffi::AnyBuffer /*slot_pos*/, Ret rows, Ret group_sizes,
                             Ret all_counts, Attrs a) {
-  return DispatchRecv(Site{stream, device, collectives}, rows, nullptr, group_sizes, all_counts,
-                      a);
+  return DispatchRecvAny(stream, device, collectives, rows, nullptr, group_sizes, all_counts, a);
 }
 
 ffi::Error DispatchRecvFp8Impl(cudaStream_t stream, int32_t device,
                                MaybeCollectives collectives, ffi::AnyBuffer /*slot_pos*/,
                                Ret rows, Ret scales, Ret group_sizes, Ret all_counts, Attrs a) {
-  return DispatchRecv(Site{stream, device, collectives}, rows, &scales, group_sizes, all_counts,
-                      a);
+  return DispatchRecvAny(stream, device, collectives, rows, &scales, group_sizes, all_counts, a);
+}
+
+ffi::Error DispatchAny(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
+                       ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
+                       Ret send_counts, Ret rows, Ret* scales, Ret group_sizes, Ret all_counts,
+                       const Attrs& a) {
+  ChannelView ch;
+  DispatchSendArgs s;
+  DispatchRecvArgs r;
+  if (ffi::Error e = Find(a, Site{stream, device, collectives}, &ch); e.failure()) return e;
+  if (ffi::Error e = CheckDispatchSend(ch, x, expert_ids, slot_pos, send_counts, a, &s);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckDispatchRecv(ch, rows, scales, group_sizes, all_counts, a, &r);
+      e.failure()) {
+    return e;
+  }
+  return Launched("dispatch", LaunchDispatch(ch, s.x, s.expert_ids, s.slot_pos, s.send_counts,
+                                             r.rows, r.scales, r.group_sizes, r.all_counts,
+                                             stream));
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                         ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
                         Ret send_counts, Ret rows, Ret group_sizes, Ret all_counts, Attrs a) {
-  const Site site{stream, device, collectives};
-  if (ffi::Error e = DispatchSend(site, x, expert_ids, slot_pos, send_counts, a); e.failure()) {
-    return e;
-  }
-  return DispatchRecv(site, rows, nullptr, group_sizes, all_counts, a);
+  return DispatchAny(stream, device, collectives, x, expert_ids, slot_pos, send_counts, rows,
+                     nullptr, group_sizes, all_counts, a);
 }
 
 ffi::Error DispatchFp8Impl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                            ffi::AnyBuffer x, ffi::AnyBuffer expert_ids, Ret slot_pos,
                            Ret send_counts, Ret rows, Ret scales, Ret group_sizes,
                            Ret all_counts, Attrs a) {
-  const Site site{stream, device, collectives};
-  if (ffi::Error e = DispatchSend(site, x, expert_ids, slot_pos, send_counts, a); e.failure()) {
-    return e;
-  }
-  return DispatchRecv(site, rows, &scales, group_sizes, all_counts, a);
+  return DispatchAny(stream, device, collectives, x, expert_ids, slot_pos, send_counts, rows,
+                     &scales, group_sizes, all_counts, a);
 }
 
 ffi::Error CombineSendImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                            ffi::AnyBuffer y, ffi::AnyBuffer all_counts, Ret /*done*/, Attrs a) {
-  return CombineSend(Site{stream, device, collectives}, y, all_counts, a);
+  ChannelView ch;
+  CombineSendArgs s;
+  if (ffi::Error e = Find(a, Site{stream, device, collectives}, &ch); e.failure()) return e;
+  if (ffi::Error e = CheckCombineSend(ch, y, all_counts, a, &s); e.failure()) return e;
+  return Launched("combine_send", LaunchCombineSend(ch, s.y, s.all_counts, stream));
 }
 
 ffi::Error CombineRecvImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                            ffi::AnyBuffer /*done*/, ffi::AnyBuffer expert_ids,
                            ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out, Attrs a) {
-  return CombineRecv(Site{stream, device, collectives}, expert_ids, slot_pos, weights, out, a);
+  ChannelView ch;
+  CombineRecvArgs r;
+  if (ffi::Error e = Find(a, Site{stream, device, collectives}, &ch); e.failure()) return e;
+  if (ffi::Error e = CheckCombineRecv(expert_ids, slot_pos, weights, out, a, &r); e.failure()) {
+    return e;
+  }
+  return Launched("combine_recv", LaunchCombineRecv(ch, r.type, r.expert_ids, r.slot_pos,
+                                                    r.weights, r.out, stream));
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device, MaybeCollectives collectives,
                        ffi::AnyBuffer y, ffi::AnyBuffer all_counts, ffi::AnyBuffer expert_ids,
                        ffi::AnyBuffer slot_pos, ffi::AnyBuffer weights, Ret out, Attrs a) {
-  const Site site{stream, device, collectives};
-  if (ffi::Error e = CombineSend(site, y, all_counts, a); e.failure()) return e;
-  return CombineRecv(site, expert_ids, slot_pos, weights, out, a);
+  ChannelView ch;
+  CombineSendArgs s;
+  CombineRecvArgs r;
+  if (ffi::Error e = Find(a, Site{stream, device, collectives}, &ch); e.failure()) return e;
+  if (ffi::Error e = CheckCombineSend(ch, y, all_counts, a, &s); e.failure()) return e;
+  if (ffi::Error e = CheckCombineRecv(expert_ids, slot_pos, weights, out, a, &r); e.failure()) {
+    return e;
+  }
+  return Launched("combine", LaunchCombine(ch, r.type, s.y, s.all_counts, r.expert_ids,
+                                           r.slot_pos, r.weights, r.out, stream));
 }
 
 // The execute binding's context: XLA's stream, this GPU's ordinal and the

@@ -17,6 +17,7 @@
 // expert, a copy it makes anyway.
 #include "nvlink_channel.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include <cuda_fp8.h>
@@ -27,8 +28,10 @@ namespace moe_jax::cuda::nvlink {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPlanThreads = 1024;
 constexpr int kMaxCopyBlocks = 528;
+// Calls of at most this many tokens run dispatch and combine as one kernel
+// each (when the shared memory allows), every block planning the whole call.
+constexpr int64_t kFusedMaxTokens = 256;
 constexpr unsigned long long kTimeoutNs = 30ull * 1000 * 1000 * 1000;
 
 using u64 = unsigned long long;
@@ -65,14 +68,13 @@ __device__ void WaitAtLeast(const u64* p, u64 target, const char* what, int rank
   }
 }
 
-// Thread 0 waits until this rank's counters slot0 + peer reach `target` for
-// every peer; the barrier then orders the whole block after the waits.
+// Threads 0..P-1 each wait until this rank's counter slot0 + peer reaches
+// `target`; the barrier then orders the whole block after the waits.
 __device__ void WaitForPeers(const ChannelView& ch, int64_t slot0, u64 target,
                              const char* what) {
-  if (threadIdx.x == 0) {
-    for (int peer = 0; peer < ch.shape.num_ranks; ++peer) {
-      WaitAtLeast(CountersOf(ch, ch.rank) + slot0 + peer, target, what, ch.rank, peer);
-    }
+  const int peer = threadIdx.x;
+  if (peer < ch.shape.num_ranks) {
+    WaitAtLeast(CountersOf(ch, ch.rank) + slot0 + peer, target, what, ch.rank, peer);
   }
   __syncthreads();
 }
@@ -80,6 +82,7 @@ __device__ void WaitForPeers(const ChannelView& ch, int64_t slot0, u64 target,
 // Reads this call's epoch (thread 0) into shared memory for the block.
 __device__ __forceinline__ u64 BlockEpoch(const ChannelView& ch, int call) {
   __shared__ u64 epoch;
+  __syncthreads();  // an earlier BlockEpoch's readers are done with `epoch`
   if (threadIdx.x == 0) {
     epoch = *reinterpret_cast<volatile u64*>(CountersOf(ch, ch.rank) +
                                              Counters::Epoch(ch.shape.num_ranks, call));
@@ -88,27 +91,40 @@ __device__ __forceinline__ u64 BlockEpoch(const ChannelView& ch, int call) {
   return epoch;
 }
 
-// Every block calls this last. The last block of the call to finish, once
-// every block's stores are visible system-wide, adds 1 to counter
-// signal_slot0 + (this rank) on every rank, then advances the call's epoch
-// for the next call on this stream.
-__device__ __forceinline__ void FinishCall(const ChannelView& ch, int call,
-                                           int64_t signal_slot0) {
+__device__ __forceinline__ void SignalRelease(u64* counter) {
+  asm volatile("red.release.sys.global.add.u64 [%0], 1;" :: "l"(counter) : "memory");
+}
+
+// Every block calls this after its stores for `tally_call`. Returns (to
+// every thread) whether this block is the last of the grid to do so; the
+// last block then sees every block's stores (system scope) and has reset
+// the tally for the next call.
+__device__ __forceinline__ bool LastBlock(const ChannelView& ch, int tally_call) {
+  __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    u64* c = CountersOf(ch, ch.rank);
-    const int p = ch.shape.num_ranks;
+    u64* tally = CountersOf(ch, ch.rank) + Counters::Tally(ch.shape.num_ranks, tally_call);
     __threadfence_system();
-    const u64 done = atomicAdd(c + Counters::Tally(p, call), 1ull);
-    if (done == gridDim.x - 1) {
+    last = atomicAdd(tally, 1ull) == gridDim.x - 1;
+    if (last) {
       __threadfence_system();
-      atomicExch(c + Counters::Tally(p, call), 0ull);
-      for (int peer = 0; peer < p; ++peer) {
-        atomicAdd_system(CountersOf(ch, peer) + signal_slot0 + ch.rank, 1ull);
-      }
-      atomicAdd(c + Counters::Epoch(p, call), 1ull);
+      atomicExch(tally, 0ull);
     }
   }
+  __syncthreads();
+  return last;
+}
+
+// Every block calls this last. The last block of the call to finish, once
+// every block's stores are visible system-wide, adds 1 to counter
+// signal_slot0 + (this rank) on every rank (thread i signals rank i), then
+// advances the call's epoch for the next call on this stream.
+__device__ __forceinline__ void FinishCall(const ChannelView& ch, int call,
+                                           int64_t signal_slot0) {
+  if (!LastBlock(ch, call)) return;
+  const int p = ch.shape.num_ranks;
+  if (threadIdx.x < p) SignalRelease(CountersOf(ch, threadIdx.x) + signal_slot0 + ch.rank);
+  if (threadIdx.x == 0) atomicAdd(CountersOf(ch, ch.rank) + Counters::Epoch(p, call), 1ull);
 }
 
 __device__ __forceinline__ int32_t* Header(const ChannelView& ch, int rank, int parity,
@@ -153,6 +169,9 @@ struct RecvTables {
   int32_t stream_start[kMaxRanks][kMaxLocalExperts];
   int32_t src_offset[kMaxRanks][kMaxLocalExperts];
   int32_t expert_offset[kMaxLocalExperts + 1];
+  // Combine send: where each rank's rows start when the ranks are taken in
+  // the order rank + 1, rank + 2, ... (this rank last).
+  int32_t rotated_start[kMaxRanks + 1];
 };
 
 // Fills everything from `count` (already loaded); returns nothing, total in
@@ -185,6 +204,37 @@ __device__ void BuildTables(RecvTables& tb, int num_ranks, int num_local) {
     tb.expert_offset[num_local] = run;
   }
   __syncthreads();
+}
+
+// Fills tb.rotated_start (after BuildTables) for the ranks in the order
+// rank + 1, rank + 2, ..., rank: every sender starts with a different receiver.
+__device__ void BuildRotation(RecvTables& tb, int num_ranks, int num_local, int rank) {
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int i = 0; i < num_ranks; ++i) {
+      const int to = (rank + 1 + i) % num_ranks;
+      tb.rotated_start[i] = run;
+      run += tb.stream_start[to][num_local - 1] + tb.count[to][num_local - 1];
+    }
+    tb.rotated_start[num_ranks] = run;
+  }
+  __syncthreads();
+}
+
+// Unit u of the rotated order -> (rank, position in its stream, grouped row).
+__device__ __forceinline__ int32_t LocateRotated(const RecvTables& tb, int num_ranks,
+                                                 int num_local, int rank, int32_t u, int& to,
+                                                 int32_t& pos) {
+  int i = 0;
+  while (i + 1 < num_ranks && tb.rotated_start[i + 1] <= u) ++i;
+  to = (rank + 1 + i) % num_ranks;
+  pos = u - tb.rotated_start[i];
+  int lo = 0, hi = num_local;  // last e with stream_start[to][e] <= pos
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (tb.stream_start[to][mid] <= pos) lo = mid; else hi = mid;
+  }
+  return tb.expert_offset[lo] + tb.src_offset[to][lo] + (pos - tb.stream_start[to][lo]);
 }
 
 // Grouped row r -> (source, position in that source's stream).
@@ -250,101 +300,181 @@ __device__ __forceinline__ void CopyRows(int32_t num_rows, int32_t vecs, int32_t
 }
 
 //===----------------------------------------------------------------------===//
-// dispatch send
+// the plan: where every (token, pick) entry and token row goes
 //===----------------------------------------------------------------------===//
 
-// One block: slot_pos[n] = position of slot n in its (this rank -> dest)
-// stream, ordered by (local expert, token, pick); send_counts per expert;
-// token_rows[t * P + d] = row of token t in the dispatch staging of rank d
-// (tokens in order), -1 when no pick of t lives on d.
-__global__ void PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
-                           int32_t* __restrict__ slot_pos, int32_t* __restrict__ send_counts) {
-  extern __shared__ int32_t smem[];
-  __shared__ int32_t warp_tokens[32][kMaxRanks];
-  __shared__ int32_t token_base[kMaxRanks];
-  const int num_experts = static_cast<int>(ch.shape.NumExperts());
-  const int num_local = ch.shape.experts_per_rank;
-  const int p = ch.shape.num_ranks, k = ch.shape.top_k;
-  const int64_t n_slots = ch.shape.Slots();
-  int32_t* warp_count = smem;                       // [32][E]
-  int32_t* base = smem + 32 * num_experts;          // [E]
-  int32_t* offset = base + num_experts;             // [E]
+__device__ __forceinline__ int32_t* ChunkEntryStart(const ChannelView& ch) {  // [chunks][E]
+  return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.ChunkEntryStartOffset());
+}
+
+__device__ __forceinline__ int32_t* ChunkRowStart(const ChannelView& ch) {  // [chunks][P]
+  return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.ChunkRowStartOffset());
+}
+
+// Shared memory one block needs to order a chunk: per-warp and running
+// per-expert counts, per-warp and running per-rank token counts.
+struct PlanScratch {
+  int32_t* warp_count;  // [kWarps][E]
+  int32_t* count;       // [E]
+  int32_t warp_tokens[kWarps][kMaxRanks];
+  int32_t dest_count[kMaxRanks];
+};
+
+__host__ __device__ constexpr int64_t PlanSmemInts(int64_t num_experts) {
+  return (kWarps + 1) * num_experts;
+}
+
+// Orders the tokens [t0, t1) of one chunk, all threads of the block taking part:
+//   entry_rank[n - t0 * k]: rank of slot n among the chunk's slots of its
+//     expert, in (token, pick) order; -1 for a dropped pick;
+//   row_rank[(t - t0) * P + d]: rank of token t among the chunk's tokens with
+//     a pick on rank d; -1 when it has none.
+// Leaves the chunk's per-expert counts in ps.count and per-rank token counts
+// in ps.dest_count.
+__device__ void PlanChunk(const ChannelShape& s, const int32_t* __restrict__ expert_ids,
+                          int64_t t0, int64_t t1, int32_t* entry_rank, int32_t* row_rank,
+                          PlanScratch& ps) {
+  const int num_experts = static_cast<int>(s.NumExperts());
+  const int num_local = s.experts_per_rank, p = s.num_ranks, k = s.top_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) base[e] = 0;
-  for (int64_t c0 = 0; c0 < n_slots; c0 += blockDim.x) {
-    for (int i = threadIdx.x; i < 32 * num_experts; i += blockDim.x) warp_count[i] = 0;
+  const unsigned below = (1u << lane) - 1;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) ps.count[e] = 0;
+  if (threadIdx.x < p) ps.dest_count[threadIdx.x] = 0;
+  const int64_t n0 = t0 * k, n1 = t1 * k;
+  for (int64_t c0 = n0; c0 < n1; c0 += blockDim.x) {
+    for (int i = threadIdx.x; i < kWarps * num_experts; i += blockDim.x) ps.warp_count[i] = 0;
     __syncthreads();
     const int64_t n = c0 + threadIdx.x;
-    const int32_t e = n < n_slots ? expert_ids[n] : -1;
+    const int32_t e = n < n1 ? expert_ids[n] : -1;
     const bool valid = e >= 0 && e < num_experts;
     const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1);
-    const int lane_rank = __popc(same & ((1u << lane) - 1));
-    if (valid && lane_rank == 0) warp_count[warp * num_experts + e] = __popc(same);
+    const int lane_rank = __popc(same & below);
+    if (valid && lane_rank == 0) ps.warp_count[warp * num_experts + e] = __popc(same);
     __syncthreads();
     for (int ex = threadIdx.x; ex < num_experts; ex += blockDim.x) {
-      int32_t run = base[ex];
-      for (int w = 0; w < 32; ++w) {
-        const int32_t c = warp_count[w * num_experts + ex];
-        warp_count[w * num_experts + ex] = run;
+      int32_t run = ps.count[ex];
+      for (int w = 0; w < kWarps; ++w) {
+        const int32_t c = ps.warp_count[w * num_experts + ex];
+        ps.warp_count[w * num_experts + ex] = run;
         run += c;
       }
-      base[ex] = run;
+      ps.count[ex] = run;
     }
     __syncthreads();
-    if (n < n_slots) slot_pos[n] = valid ? warp_count[warp * num_experts + e] + lane_rank : -1;
+    if (n < n1) entry_rank[n - n0] = valid ? ps.warp_count[warp * num_experts + e] + lane_rank : -1;
     __syncthreads();
   }
-  for (int ex = threadIdx.x; ex < num_experts; ex += blockDim.x) {
-    const int first = ex - ex % num_local;
-    int32_t run = 0;
-    for (int q = first; q < ex; ++q) run += base[q];
-    offset[ex] = run;
-    send_counts[ex] = base[ex];
-  }
-  __syncthreads();
-  for (int64_t n = threadIdx.x; n < n_slots; n += blockDim.x) {
-    const int32_t e = expert_ids[n];
-    if (e >= 0 && e < num_experts) slot_pos[n] += offset[e];
-  }
-
-  int32_t* token_rows = TokenRows(ch);
-  if (threadIdx.x < p) token_base[threadIdx.x] = 0;
-  const unsigned below = (1u << lane) - 1;
-  for (int64_t t0 = 0; t0 < ch.shape.tokens; t0 += blockDim.x) {
-    const int64_t t = t0 + threadIdx.x;
+  for (int64_t tb = t0; tb < t1; tb += blockDim.x) {
+    const int64_t t = tb + threadIdx.x;
     unsigned ranks = 0;  // bit d: some pick of t lives on rank d
-    if (t < ch.shape.tokens) {
+    if (t < t1) {
       for (int j = 0; j < k; ++j) {
         const int32_t e = expert_ids[t * k + j];
         if (e >= 0 && e < num_experts) ranks |= 1u << (e / num_local);
       }
     }
-    __syncthreads();
     for (int d = 0; d < p; ++d) {
       const unsigned have = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
-      if (lane == 0) warp_tokens[warp][d] = __popc(have);
+      if (lane == 0) ps.warp_tokens[warp][d] = __popc(have);
     }
     __syncthreads();
     if (threadIdx.x < p) {
       const int d = threadIdx.x;
-      int32_t run = token_base[d];
-      for (int w = 0; w < 32; ++w) {
-        const int32_t c = warp_tokens[w][d];
-        warp_tokens[w][d] = run;
+      int32_t run = ps.dest_count[d];
+      for (int w = 0; w < kWarps; ++w) {
+        const int32_t c = ps.warp_tokens[w][d];
+        ps.warp_tokens[w][d] = run;
         run += c;
       }
-      token_base[d] = run;
+      ps.dest_count[d] = run;
     }
     __syncthreads();
     for (int d = 0; d < p; ++d) {
       const unsigned have = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
-      if (t < ch.shape.tokens) {
-        token_rows[t * p + d] =
-            (ranks >> d) & 1u ? warp_tokens[warp][d] + __popc(have & below) : -1;
+      if (t < t1) {
+        row_rank[(t - t0) * p + d] =
+            (ranks >> d) & 1u ? ps.warp_tokens[warp][d] + __popc(have & below) : -1;
       }
     }
+    __syncthreads();
   }
 }
+
+// offset[e] = entries of the lower local experts of e's rank, from totals
+// count[E] (shared memory); all threads take part.
+__device__ void StreamOffsets(int num_experts, int num_local, const int32_t* count,
+                              int32_t* offset) {
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int32_t run = 0;
+    for (int q = e - e % num_local; q < e; ++q) run += count[q];
+    offset[e] = run;
+  }
+  __syncthreads();
+}
+
+// Exclusive scan over chunks of every column of the row-major [chunks][cols]
+// table, in place, a thread per column (loads issued kBatch at a time); the
+// column totals go to total[cols]. All threads of the block take part.
+__device__ void ScanColumns(int32_t* table, int64_t chunks, int cols, int32_t* total) {
+  constexpr int kBatch = 8;
+  for (int col = threadIdx.x; col < cols; col += blockDim.x) {
+    int32_t run = 0;
+    for (int64_t c0 = 0; c0 < chunks; c0 += kBatch) {
+      int32_t v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        v[b] = c0 + b < chunks ? __ldcg(table + (c0 + b) * cols + col) : 0;
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (c0 + b < chunks) table[(c0 + b) * cols + col] = run;
+        run += v[b];
+      }
+    }
+    if (total != nullptr) total[col] = run;
+  }
+}
+
+// One block per chunk of kPlanChunkTokens tokens: slot_pos[n] and the token
+// rows hold ranks within the chunk; the last block then turns the chunks'
+// counts into where each chunk's entries start in each stream (ChunkEntryStart,
+// by expert) and its token rows in each rank's staging (ChunkRowStart), and
+// writes send_counts.
+__global__ void __launch_bounds__(kThreads)
+PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
+           int32_t* __restrict__ slot_pos, int32_t* __restrict__ send_counts) {
+  extern __shared__ int32_t smem[];
+  __shared__ PlanScratch ps;
+  const ChannelShape& s = ch.shape;
+  const int num_experts = static_cast<int>(s.NumExperts());
+  const int p = s.num_ranks;
+  ps.warp_count = smem;
+  ps.count = smem + kWarps * num_experts;
+  const int64_t chunk = blockIdx.x, chunks = gridDim.x;
+  const int64_t t0 = chunk * kPlanChunkTokens;
+  const int64_t t1 = t0 + kPlanChunkTokens < s.tokens ? t0 + kPlanChunkTokens : s.tokens;
+  PlanChunk(s, expert_ids, t0, t1, slot_pos + t0 * s.top_k, TokenRows(ch) + t0 * p, ps);
+  int32_t* entry_start = ChunkEntryStart(ch);
+  int32_t* row_start = ChunkRowStart(ch);
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    entry_start[chunk * num_experts + e] = ps.count[e];
+  }
+  if (threadIdx.x < p) row_start[chunk * p + threadIdx.x] = ps.dest_count[threadIdx.x];
+  if (!LastBlock(ch, kPlan)) return;
+  ScanColumns(entry_start, chunks, num_experts, ps.count);
+  ScanColumns(row_start, chunks, p, nullptr);
+  int32_t* offset = ps.warp_count;
+  StreamOffsets(num_experts, s.experts_per_rank, ps.count, offset);
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) send_counts[e] = ps.count[e];
+  for (int64_t i = threadIdx.x; i < chunks * num_experts; i += blockDim.x) {
+    entry_start[i] += offset[i % num_experts];
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// dispatch send
+//===----------------------------------------------------------------------===//
 
 // fp8 dispatch: each token row -> H e4m3 values then H / 128 float32
 // scales, one warp per 128-element block with amax = max |x|:
@@ -386,17 +516,18 @@ QuantizeKernel(ChannelView ch, const uint16_t* __restrict__ x) {
   }
 }
 
-// rows: x, or the quantized tokens for fp8 dispatch ([T, D] either way).
-__global__ void __launch_bounds__(kThreads)
-SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
-           const int32_t* __restrict__ expert_ids, const int32_t* __restrict__ slot_pos,
-           const int32_t* __restrict__ send_counts) {
+// The send half of dispatch, after the plan. position(n) -> stream position
+// of slot n (or -1), row(t, d) -> staging row of token t on rank d (or -1).
+// Waits for the receivers to release this parity, writes the headers (block
+// 0), the index entries and the token rows, then signals.
+template <typename Position, typename Row>
+__device__ void SendHalf(const ChannelView& ch, u64 epoch, const uint8_t* __restrict__ rows,
+                         const int32_t* __restrict__ expert_ids,
+                         const int32_t* __restrict__ send_counts, Position position, Row row_of) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
-  const u64 epoch = BlockEpoch(ch, kDispatchSend);
   const int parity = static_cast<int>(epoch & 1);
-  if (epoch >= 2) WaitForPeers(ch, Counters::DispatchAck(p, 0),
-                               epoch - 1, "the dispatch ack");
+  if (epoch >= 2) WaitForPeers(ch, Counters::DispatchAck(p, 0), epoch - 1, "the dispatch ack");
   if (blockIdx.x == 0) {
     const int64_t ints = s.HeaderInts();
     for (int d = 0; d < p; ++d) {
@@ -404,41 +535,66 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
       for (int64_t i = threadIdx.x; i < ints; i += blockDim.x) h[i] = send_counts[i];
     }
   }
-  const int32_t* token_rows = TokenRows(ch);
   for (int64_t n = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; n < s.Slots();
        n += int64_t{gridDim.x} * blockDim.x) {
-    const int32_t pos = slot_pos[n];
+    const int32_t pos = position(n);
     if (pos < 0) continue;
     const int d = expert_ids[n] / s.experts_per_rank;
-    IndexOf(ch, d, parity, ch.rank)[pos] = token_rows[(n / s.top_k) * p + d];
+    IndexOf(ch, d, parity, ch.rank)[pos] = row_of(n / s.top_k, d);
   }
   const int64_t row_bytes = s.DispatchRowBytes();
   const int32_t vecs = static_cast<int32_t>(row_bytes / 16);
   CopyRows(static_cast<int32_t>(s.tokens * p), vecs, vecs,
            [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
-             const int32_t row = token_rows[r];
-             if (row < 0) return;
              const int d = r % p;
+             const int32_t row = row_of(r / p, d);
+             if (row < 0) return;
              *src = reinterpret_cast<const uint4*>(rows + int64_t{r / p} * row_bytes);
              *dst = reinterpret_cast<uint4*>(DispatchRow(ch, d, parity, ch.rank, row));
            });
   FinishCall(ch, kDispatchSend, Counters::DispatchArrive(p, 0));
 }
 
+// rows: x, or the quantized tokens for fp8 dispatch ([T, D] either way).
+// Finishes slot_pos (chunk ranks -> stream positions) as it goes.
+__global__ void __launch_bounds__(kThreads)
+SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
+           const int32_t* __restrict__ expert_ids, int32_t* __restrict__ slot_pos,
+           const int32_t* __restrict__ send_counts) {
+  const ChannelShape& s = ch.shape;
+  const int num_experts = static_cast<int>(s.NumExperts());
+  const int p = s.num_ranks;
+  const int32_t* entry_start = ChunkEntryStart(ch);
+  const int32_t* row_start = ChunkRowStart(ch);
+  const int32_t* token_rows = TokenRows(ch);
+  const int64_t per_chunk = int64_t{kPlanChunkTokens} * s.top_k;
+  SendHalf(ch, BlockEpoch(ch, kDispatchSend), rows, expert_ids, send_counts,
+           [&](int64_t n) {
+             const int32_t rank = slot_pos[n];
+             if (rank < 0) return int32_t{-1};
+             const int32_t pos = entry_start[(n / per_chunk) * num_experts + expert_ids[n]] + rank;
+             slot_pos[n] = pos;
+             return pos;
+           },
+           [&](int64_t t, int d) {
+             const int32_t rank = token_rows[t * p + d];
+             return rank < 0 ? rank : row_start[(t / kPlanChunkTokens) * p + d] + rank;
+           });
+}
+
 //===----------------------------------------------------------------------===//
 // dispatch recv
 //===----------------------------------------------------------------------===//
 
-__global__ void __launch_bounds__(kThreads)
-RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
-           int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
-  __shared__ RecvTables tb;
+// The receive half of dispatch: waits for every source, then groups the
+// received rows by expert and acknowledges.
+__device__ void RecvHalf(const ChannelView& ch, u64 epoch, RecvTables& tb,
+                         uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
+                         int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
-  const u64 epoch = BlockEpoch(ch, kDispatchRecv);
   const int parity = static_cast<int>(epoch & 1);
-  WaitForPeers(ch, Counters::DispatchArrive(p, 0),
-               epoch + 1, "the dispatched rows");
+  WaitForPeers(ch, Counters::DispatchArrive(p, 0), epoch + 1, "the dispatched rows");
   for (int i = threadIdx.x; i < p * num_local; i += blockDim.x) {
     const int src = i / num_local, e = i % num_local;
     tb.count[src][e] = __ldcg(Header(ch, ch.rank, parity, src) + ch.rank * num_local + e);
@@ -471,31 +627,74 @@ RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ sca
   FinishCall(ch, kDispatchRecv, Counters::DispatchAck(p, 0));
 }
 
+__global__ void __launch_bounds__(kThreads)
+RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
+           int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
+  __shared__ RecvTables tb;
+  RecvHalf(ch, BlockEpoch(ch, kDispatchRecv), tb, rows, scales, group_sizes, all_counts);
+}
+
+// Plan, send and receive in one kernel for one-chunk calls whose grid fits
+// on the GPU at once (so blocks waiting for the send cannot keep a sending
+// block from running). Every block orders the chunk itself in shared memory.
+__global__ void __launch_bounds__(kThreads)
+FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
+                    const int32_t* __restrict__ expert_ids, int32_t* __restrict__ slot_pos,
+                    int32_t* __restrict__ send_counts, uint8_t* __restrict__ rows,
+                    uint8_t* __restrict__ scales, int32_t* __restrict__ group_sizes,
+                    int32_t* __restrict__ all_counts) {
+  extern __shared__ int32_t smem[];
+  __shared__ PlanScratch ps;
+  __shared__ RecvTables tb;
+  const ChannelShape& s = ch.shape;
+  const int num_experts = static_cast<int>(s.NumExperts());
+  const int p = s.num_ranks;
+  ps.warp_count = smem;
+  ps.count = smem + kWarps * num_experts;
+  int32_t* entry_rank = ps.count + num_experts;   // [T * k]
+  int32_t* row_rank = entry_rank + s.Slots();     // [T * P]
+  const u64 send_epoch = BlockEpoch(ch, kDispatchSend);
+  const u64 recv_epoch = BlockEpoch(ch, kDispatchRecv);
+  PlanChunk(s, expert_ids, 0, s.tokens, entry_rank, row_rank, ps);
+  int32_t* offset = ps.warp_count;
+  StreamOffsets(num_experts, s.experts_per_rank, ps.count, offset);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) send_counts[e] = ps.count[e];
+    for (int64_t n = threadIdx.x; n < s.Slots(); n += blockDim.x) {
+      slot_pos[n] = entry_rank[n] < 0 ? -1 : entry_rank[n] + offset[expert_ids[n]];
+    }
+  }
+  SendHalf(ch, send_epoch, send_rows, expert_ids, ps.count,
+           [&](int64_t n) {
+             return entry_rank[n] < 0 ? int32_t{-1} : entry_rank[n] + offset[expert_ids[n]];
+           },
+           [&](int64_t t, int d) { return row_rank[t * p + d]; });
+  RecvHalf(ch, recv_epoch, tb, rows, scales, group_sizes, all_counts);
+}
+
 //===----------------------------------------------------------------------===//
 // combine send / recv
 //===----------------------------------------------------------------------===//
 
-__global__ void __launch_bounds__(kThreads)
-CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
-                  const int32_t* __restrict__ all_counts) {
-  __shared__ RecvTables tb;
+__device__ void CombineSendHalf(const ChannelView& ch, u64 epoch, RecvTables& tb,
+                                const uint8_t* __restrict__ y,
+                                const int32_t* __restrict__ all_counts) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
-  const u64 epoch = BlockEpoch(ch, kCombineSend);
   const int parity = static_cast<int>(epoch & 1);
   for (int i = threadIdx.x; i < p * num_local; i += blockDim.x) {
     const int src = i / num_local, e = i % num_local;
     tb.count[src][e] = all_counts[src * s.HeaderInts() + ch.rank * num_local + e];
   }
   BuildTables(tb, p, num_local);
-  if (epoch >= 2) WaitForPeers(ch, Counters::CombineAck(p, 0),
-                               epoch - 1, "the combine ack");
+  BuildRotation(tb, p, num_local, ch.rank);
+  if (epoch >= 2) WaitForPeers(ch, Counters::CombineAck(p, 0), epoch - 1, "the combine ack");
   const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   CopyRows(tb.expert_offset[num_local], vecs, vecs,
-           [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
+           [&](int32_t u, const uint4** src, uint4** dst, uint4** /*tail*/) {
              int to;
              int32_t pos;
-             Locate(tb, p, num_local, r, to, pos);
+             const int32_t r = LocateRotated(tb, p, num_local, ch.rank, u, to, pos);
              *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes);
              *dst = reinterpret_cast<uint4*>(CombineRow(ch, to, parity, ch.rank, pos));
            });
@@ -503,18 +702,17 @@ CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
 }
 
 template <typename E>
-__global__ void __launch_bounds__(kThreads)
-CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
-                  const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
-                  typename E::Storage* __restrict__ out) {
+__device__ void CombineRecvHalf(const ChannelView& ch, u64 epoch,
+                                const int32_t* __restrict__ expert_ids,
+                                const int32_t* __restrict__ slot_pos,
+                                const float* __restrict__ weights,
+                                typename E::Storage* __restrict__ out) {
   using S = typename E::Storage;
   constexpr int kPer = 16 / sizeof(S);
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
-  const u64 epoch = BlockEpoch(ch, kCombineRecv);
   const int parity = static_cast<int>(epoch & 1);
-  WaitForPeers(ch, Counters::CombineArrive(p, 0),
-               epoch + 1, "the returned rows");
+  WaitForPeers(ch, Counters::CombineArrive(p, 0), epoch + 1, "the returned rows");
   const int64_t vecs = s.row_bytes / 16;
   const int64_t total = s.tokens * vecs;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
@@ -549,32 +747,103 @@ CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
   FinishCall(ch, kCombineRecv, Counters::CombineAck(p, 0));
 }
 
+__global__ void __launch_bounds__(kThreads)
+CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
+                  const int32_t* __restrict__ all_counts) {
+  __shared__ RecvTables tb;
+  CombineSendHalf(ch, BlockEpoch(ch, kCombineSend), tb, y, all_counts);
+}
+
+template <typename E>
+__global__ void __launch_bounds__(kThreads)
+CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
+                  const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
+                  typename E::Storage* __restrict__ out) {
+  CombineRecvHalf<E>(ch, BlockEpoch(ch, kCombineRecv), expert_ids, slot_pos, weights, out);
+}
+
+// Combine send and receive in one kernel when the grid fits on the GPU at once.
+template <typename E>
+__global__ void __launch_bounds__(kThreads)
+FusedCombineKernel(ChannelView ch, const uint8_t* __restrict__ y,
+                   const int32_t* __restrict__ all_counts, const int32_t* __restrict__ expert_ids,
+                   const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
+                   typename E::Storage* __restrict__ out) {
+  __shared__ RecvTables tb;
+  const u64 send_epoch = BlockEpoch(ch, kCombineSend);
+  const u64 recv_epoch = BlockEpoch(ch, kCombineRecv);
+  CombineSendHalf(ch, send_epoch, tb, y, all_counts);
+  CombineRecvHalf<E>(ch, recv_epoch, expert_ids, slot_pos, weights, out);
+}
+
 int Blocks(int64_t units, int per_block) {
   const int64_t wanted = (units + per_block - 1) / per_block;
   return static_cast<int>(wanted < 1 ? 1 : (wanted > kMaxCopyBlocks ? kMaxCopyBlocks : wanted));
 }
 
 size_t PlanSmemBytes(const ChannelShape& s) {
-  return static_cast<size_t>(34 * s.NumExperts()) * sizeof(int32_t);
+  return static_cast<size_t>(PlanSmemInts(s.NumExperts())) * sizeof(int32_t);
+}
+
+size_t FusedDispatchSmemBytes(const ChannelShape& s) {
+  return PlanSmemBytes(s) + static_cast<size_t>(s.Slots() + s.tokens * s.num_ranks) * 4;
+}
+
+// Blocks the GPU runs at once for sure (one per SM), or 0 if unknown.
+int ResidentBlocks() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return sms;
+}
+
+int FusedDispatchBlocks(const ChannelShape& s) {
+  const int wanted = std::max(SendBlocks(s), RecvBlocks(s));
+  return std::min(wanted, ResidentBlocks());
+}
+
+int FusedCombineBlocks(const ChannelShape& s) {
+  const int wanted = std::max(CombineSendBlocks(s), CombineRecvBlocks(s));
+  return std::min(wanted, ResidentBlocks());
+}
+
+// The largest dynamic shared memory `kernel` may take on this device.
+cudaError_t AllowDynamicSmem(const void* kernel, int optin, size_t needed) {
+  cudaFuncAttributes attrs;
+  if (cudaError_t err = cudaFuncGetAttributes(&attrs, kernel); err != cudaSuccess) return err;
+  const int64_t available = optin - static_cast<int64_t>(attrs.sharedSizeBytes);
+  if (static_cast<int64_t>(needed) > available) return cudaErrorInvalidValue;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(available));
+}
+
+int SmemOptin() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return 0;
+  }
+  return optin;
 }
 
 }  // namespace
 
 cudaError_t ConfigureKernels(const ChannelShape& s) {
-  // The largest dynamic shared memory the plan may take on this device, so
-  // that channels of every shape keep working whichever was created last.
-  int device = 0, optin = 0;
-  cudaFuncAttributes attrs;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  // The largest dynamic shared memory each kernel may take on this device,
+  // so that channels of every shape keep working whichever was created last.
+  const int optin = SmemOptin();
+  if (optin == 0) return cudaGetLastError();
+  if (cudaError_t err = AllowDynamicSmem(reinterpret_cast<const void*>(PlanKernel), optin,
+                                         PlanSmemBytes(s));
+      err != cudaSuccess) {
+    return err;
   }
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, PlanKernel);
-  if (err != cudaSuccess) return err;
-  const int64_t available = optin - static_cast<int64_t>(attrs.sharedSizeBytes);
-  if (static_cast<int64_t>(PlanSmemBytes(s)) > available) return cudaErrorInvalidValue;
-  return cudaFuncSetAttribute(PlanKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(available));
+  if (s.tokens > kFusedMaxTokens) return cudaSuccess;
+  return AllowDynamicSmem(reinterpret_cast<const void*>(FusedDispatchKernel), optin,
+                          FusedDispatchSmemBytes(s));
 }
 
 int SendBlocks(const ChannelShape& s) {
@@ -590,17 +859,74 @@ int CombineRecvBlocks(const ChannelShape& s) {
   return Blocks(s.tokens * (s.row_bytes / 16), kThreads);
 }
 
+bool FusedDispatch(const ChannelShape& s) {
+  return s.tokens <= kFusedMaxTokens && ResidentBlocks() > 0 &&
+         static_cast<int64_t>(FusedDispatchSmemBytes(s)) + static_cast<int64_t>(sizeof(RecvTables)) +
+                 1024 <= SmemOptin();
+}
+
+bool FusedCombine(const ChannelShape& s) {
+  return s.tokens <= kFusedMaxTokens && ResidentBlocks() > 0;
+}
+
+namespace {
+
+// x itself, or its e4m3 quantization (enqueued here) for fp8 dispatch.
+const uint8_t* RowsToSend(const ChannelView& ch, const void* x, cudaStream_t stream) {
+  const ChannelShape& s = ch.shape;
+  if (!s.dispatch_fp8) return static_cast<const uint8_t*>(x);
+  QuantizeKernel<<<Blocks(s.tokens * (s.Hidden() / 128), kWarps), kThreads, 0, stream>>>(
+      ch, static_cast<const uint16_t*>(x));
+  return ch.base[ch.rank] + s.QuantizedOffset();
+}
+
+template <typename E>
+void LaunchCombineRecvAs(const ChannelView& ch, const int32_t* expert_ids,
+                         const int32_t* slot_pos, const float* weights, void* out,
+                         cudaStream_t stream) {
+  CombineRecvKernel<E><<<CombineRecvBlocks(ch.shape), kThreads, 0, stream>>>(
+      ch, expert_ids, slot_pos, weights, static_cast<typename E::Storage*>(out));
+}
+
+template <typename E>
+void LaunchFusedCombineAs(const ChannelView& ch, const void* y, const int32_t* all_counts,
+                          const int32_t* expert_ids, const int32_t* slot_pos,
+                          const float* weights, void* out, cudaStream_t stream) {
+  FusedCombineKernel<E><<<FusedCombineBlocks(ch.shape), kThreads, 0, stream>>>(
+      ch, static_cast<const uint8_t*>(y), all_counts, expert_ids, slot_pos, weights,
+      static_cast<typename E::Storage*>(out));
+}
+
+// Runs f<E>(...) for the element type `type`.
+template <template <typename> class F, typename... Args>
+void ForType(ElemType type, Args&&... args) {
+  switch (type) {
+    case ElemType::kF32: F<F32>{}(args...); break;
+    case ElemType::kBF16: F<BF16>{}(args...); break;
+    case ElemType::kF16: F<F16>{}(args...); break;
+  }
+}
+
+template <typename E>
+struct CombineRecvLauncher {
+  template <typename... Args>
+  void operator()(Args&&... args) const { LaunchCombineRecvAs<E>(args...); }
+};
+
+template <typename E>
+struct FusedCombineLauncher {
+  template <typename... Args>
+  void operator()(Args&&... args) const { LaunchFusedCombineAs<E>(args...); }
+};
+
+}  // namespace
+
 cudaError_t LaunchDispatchSend(const ChannelView& ch, const void* x, const int32_t* expert_ids,
                                int32_t* slot_pos, int32_t* send_counts, cudaStream_t stream) {
   const ChannelShape& s = ch.shape;
-  PlanKernel<<<1, kPlanThreads, PlanSmemBytes(s), stream>>>(ch, expert_ids, slot_pos,
-                                                            send_counts);
-  const uint8_t* rows = static_cast<const uint8_t*>(x);
-  if (s.dispatch_fp8) {
-    QuantizeKernel<<<Blocks(s.tokens * (s.Hidden() / 128), kWarps), kThreads, 0, stream>>>(
-        ch, static_cast<const uint16_t*>(x));
-    rows = ch.base[ch.rank] + s.QuantizedOffset();
-  }
+  PlanKernel<<<static_cast<int>(s.PlanChunks()), kThreads, PlanSmemBytes(s), stream>>>(
+      ch, expert_ids, slot_pos, send_counts);
+  const uint8_t* rows = RowsToSend(ch, x, stream);
   SendKernel<<<SendBlocks(s), kThreads, 0, stream>>>(ch, rows, expert_ids, slot_pos,
                                                      send_counts);
   return cudaGetLastError();
@@ -615,6 +941,24 @@ cudaError_t LaunchDispatchRecv(const ChannelView& ch, void* rows, float* scales,
   return cudaGetLastError();
 }
 
+cudaError_t LaunchDispatch(const ChannelView& ch, const void* x, const int32_t* expert_ids,
+                           int32_t* slot_pos, int32_t* send_counts, void* rows, float* scales,
+                           int32_t* group_sizes, int32_t* all_counts, cudaStream_t stream) {
+  const ChannelShape& s = ch.shape;
+  if (!FusedDispatch(s)) {
+    if (cudaError_t err = LaunchDispatchSend(ch, x, expert_ids, slot_pos, send_counts, stream);
+        err != cudaSuccess) {
+      return err;
+    }
+    return LaunchDispatchRecv(ch, rows, scales, group_sizes, all_counts, stream);
+  }
+  const uint8_t* send_rows = RowsToSend(ch, x, stream);
+  FusedDispatchKernel<<<FusedDispatchBlocks(s), kThreads, FusedDispatchSmemBytes(s), stream>>>(
+      ch, send_rows, expert_ids, slot_pos, send_counts, static_cast<uint8_t*>(rows),
+      reinterpret_cast<uint8_t*>(scales), group_sizes, all_counts);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y, const int32_t* all_counts,
                               cudaStream_t stream) {
   CombineSendKernel<<<CombineSendBlocks(ch.shape), kThreads, 0, stream>>>(
@@ -625,21 +969,22 @@ cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y, const int32_
 cudaError_t LaunchCombineRecv(const ChannelView& ch, ElemType type, const int32_t* expert_ids,
                               const int32_t* slot_pos, const float* weights, void* out,
                               cudaStream_t stream) {
-  const int blocks = CombineRecvBlocks(ch.shape);
-  switch (type) {
-    case ElemType::kF32:
-      CombineRecvKernel<F32><<<blocks, kThreads, 0, stream>>>(
-          ch, expert_ids, slot_pos, weights, static_cast<float*>(out));
-      break;
-    case ElemType::kBF16:
-      CombineRecvKernel<BF16><<<blocks, kThreads, 0, stream>>>(
-          ch, expert_ids, slot_pos, weights, static_cast<unsigned short*>(out));
-      break;
-    case ElemType::kF16:
-      CombineRecvKernel<F16><<<blocks, kThreads, 0, stream>>>(
-          ch, expert_ids, slot_pos, weights, static_cast<unsigned short*>(out));
-      break;
+  ForType<CombineRecvLauncher>(type, ch, expert_ids, slot_pos, weights, out, stream);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombine(const ChannelView& ch, ElemType type, const void* y,
+                          const int32_t* all_counts, const int32_t* expert_ids,
+                          const int32_t* slot_pos, const float* weights, void* out,
+                          cudaStream_t stream) {
+  if (!FusedCombine(ch.shape)) {
+    if (cudaError_t err = LaunchCombineSend(ch, y, all_counts, stream); err != cudaSuccess) {
+      return err;
+    }
+    return LaunchCombineRecv(ch, type, expert_ids, slot_pos, weights, out, stream);
   }
+  ForType<FusedCombineLauncher>(type, ch, y, all_counts, expert_ids, slot_pos, weights, out,
+                                stream);
   return cudaGetLastError();
 }
 

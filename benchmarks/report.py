@@ -47,7 +47,9 @@ def write_report(json_path: str) -> str:
     lines += ["Latencies in microseconds, timed per step on the host around a "
               "synchronous call (includes JAX's dispatch overhead) unless the timing "
               "is `loop`; `pipelined` is the mean of back-to-back calls. `floor` is the time to move the "
-              "actual rows there and back at the measured bandwidth. Overflow: "
+              "actual rows there and back at the measured bandwidth (mean rows per GPU); "
+              "`busiest` the same for the GPU that sends or receives the most rows "
+              "(no dispatch can beat that GPU's links). Overflow: "
               "fraction of per-peer counts above C (spill pass used); fallback: "
               "above C+S.", ""]
     by_phase = defaultdict(list)
@@ -61,14 +63,14 @@ def write_report(json_path: str) -> str:
                  "combine": "combine", "layer": "whole MoE layer (SwiGLU experts)"}[phase]
         lines += [f"## {title}", "",
                   "| T/GPU | method | mean | median | p95 | p99 | pipelined | vs max_counts "
-                  "(mean) | floor | overflow | fallback |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "(mean) | floor | busiest | overflow | fallback |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         base = {r["tokens"]: r["mean_us"] for r in rows
                 if r["method"] == "max_counts" and "error" not in r}
         for r in sorted(rows, key=lambda r: (r["tokens"], r["method"], r.get("quantile") or 0)):
             if "error" in r:
                 lines.append(f"| {r['tokens']} | {_label(r)} | failed: "
-                             f"{r['error'][:80]} | | | | | | | | |")
+                             f"{r['error'][:80]} | | | | | | | | | |")
                 continue
             ratio = base.get(r["tokens"])
             ratio = None if ratio is None else ratio / r["mean_us"]
@@ -76,6 +78,7 @@ def write_report(json_path: str) -> str:
                 f"| {r['tokens']} | {_label(r)} | {_fmt(r['mean_us'])} | {_fmt(r['median_us'])} "
                 f"| {_fmt(r['p95_us'])} | {_fmt(r['p99_us'])} | {_fmt(r['pipelined_mean_us'])} "
                 f"| {_fmt(ratio, 2)}x | {_fmt(r.get('byte_floor_dc_us'))} "
+                f"| {_fmt(r.get('busiest_floor_dc_us'))} "
                 f"| {_fmt(r.get('overflow_rate'), 4)} | {_fmt(r.get('fallback_rate'), 6)} |")
         lines.append("")
     md_path = json_path[:-len(".json")] + ".md"

@@ -68,8 +68,8 @@ def summarize(paths) -> str:
                 + " | max_counts / cap_and_spill:lax | ragged / cap_and_spill:lax"
                 + " | max_counts / cap_and_spill:nvlink | ragged / cap_and_spill:nvlink"
                 + " | fallback guard (lax minus noguard)"
-                + (" | byte floor |" if phase == "dc" else " |"),
-                "|" + " --- |" * (len(METHODS) + 6 + (phase == "dc"))]
+                + (" | byte floor | busiest-GPU floor |" if phase == "dc" else " |"),
+                "|" + " --- |" * (len(METHODS) + 6 + 2 * (phase == "dc"))]
         for t in tokens:
             cells = [rows.get((timing, phase, t, m, q)) for m, q in METHODS]
             if not any(cells):
@@ -85,6 +85,8 @@ def summarize(paths) -> str:
             if phase == "dc":
                 floor = next((c["byte_floor_dc_us"] for c in cells if c), None)
                 line += f" {floor:.0f} |" if floor else " — |"
+                busiest = next((c.get("busiest_floor_dc_us") for c in cells if c), None)
+                line += f" {busiest:.0f} |" if busiest else " — |"
             out.append(line)
         out.append("")
     devices = sorted({m["devices"] for _, m in sources})

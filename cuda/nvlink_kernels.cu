@@ -324,6 +324,15 @@ __host__ __device__ constexpr int64_t PlanSmemInts(int64_t num_experts) {
   return (kWarps + 1) * num_experts;
 }
 
+// Points ps at its arrays in dynamic shared memory `smem` (PlanSmemInts
+// ints); returns the first int after them.
+__device__ __forceinline__ int32_t* AttachPlanScratch(PlanScratch& ps, int32_t* smem,
+                                                      int num_experts) {
+  ps.warp_count = smem;
+  ps.count = smem + kWarps * num_experts;
+  return ps.count + num_experts;
+}
+
 // Orders the tokens [t0, t1) of one chunk, all threads of the block taking part:
 //   entry_rank[n - t0 * k]: rank of slot n among the chunk's slots of its
 //     expert, in (token, pick) order; -1 for a dropped pick;
@@ -449,8 +458,7 @@ PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
   const ChannelShape& s = ch.shape;
   const int num_experts = static_cast<int>(s.NumExperts());
   const int p = s.num_ranks;
-  ps.warp_count = smem;
-  ps.count = smem + kWarps * num_experts;
+  AttachPlanScratch(ps, smem, num_experts);
   const int64_t chunk = blockIdx.x, chunks = gridDim.x;
   const int64_t t0 = chunk * kPlanChunkTokens;
   const int64_t t1 = t0 + kPlanChunkTokens < s.tokens ? t0 + kPlanChunkTokens : s.tokens;
@@ -649,9 +657,7 @@ FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
   const ChannelShape& s = ch.shape;
   const int num_experts = static_cast<int>(s.NumExperts());
   const int p = s.num_ranks;
-  ps.warp_count = smem;
-  ps.count = smem + kWarps * num_experts;
-  int32_t* entry_rank = ps.count + num_experts;   // [T * k]
+  int32_t* entry_rank = AttachPlanScratch(ps, smem, num_experts);  // [T * k]
   int32_t* row_rank = entry_rank + s.Slots();     // [T * P]
   const u64 send_epoch = BlockEpoch(ch, kDispatchSend);
   const u64 recv_epoch = BlockEpoch(ch, kDispatchRecv);
@@ -789,25 +795,38 @@ size_t FusedDispatchSmemBytes(const ChannelShape& s) {
   return PlanSmemBytes(s) + static_cast<size_t>(s.Slots() + s.tokens * s.num_ranks) * 4;
 }
 
-// Blocks the GPU runs at once for sure (one per SM), or 0 if unknown.
-int ResidentBlocks() {
-  int device = 0, sms = 0;
+// What the launch configuration depends on: the current device's SM count
+// (blocks that surely run at once, one per SM) and the most shared memory a
+// block may opt in to; 0 when unknown.
+struct DeviceLimits {
+  int sms = 0;
+  int smem_optin = 0;
+};
+
+DeviceLimits CurrentDeviceLimits() {
+  DeviceLimits lim;
+  int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
+      cudaDeviceGetAttribute(&lim.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&lim.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                             device) != cudaSuccess) {
+    return {};
   }
-  return sms;
+  return lim;
 }
 
-int FusedDispatchBlocks(const ChannelShape& s) {
-  const int wanted = std::max(SendBlocks(s), RecvBlocks(s));
-  return std::min(wanted, ResidentBlocks());
+bool FusedDispatchOn(const ChannelShape& s, const DeviceLimits& lim) {
+  return s.tokens <= kFusedMaxTokens && lim.sms > 0 &&
+         static_cast<int64_t>(FusedDispatchSmemBytes(s)) +
+                 static_cast<int64_t>(sizeof(RecvTables)) + 1024 <= lim.smem_optin;
 }
 
-int FusedCombineBlocks(const ChannelShape& s) {
-  const int wanted = std::max(CombineSendBlocks(s), CombineRecvBlocks(s));
-  return std::min(wanted, ResidentBlocks());
+bool FusedCombineOn(const ChannelShape& s, const DeviceLimits& lim) {
+  return s.tokens <= kFusedMaxTokens && lim.sms > 0;
 }
+
+// A fused kernel's grid: what its halves want, at most one block per SM.
+int FusedBlocks(int wanted, const DeviceLimits& lim) { return std::min(wanted, lim.sms); }
 
 // The largest dynamic shared memory `kernel` may take on this device.
 cudaError_t AllowDynamicSmem(const void* kernel, int optin, size_t needed) {
@@ -819,30 +838,20 @@ cudaError_t AllowDynamicSmem(const void* kernel, int optin, size_t needed) {
                               static_cast<int>(available));
 }
 
-int SmemOptin() {
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    return 0;
-  }
-  return optin;
-}
-
 }  // namespace
 
 cudaError_t ConfigureKernels(const ChannelShape& s) {
   // The largest dynamic shared memory each kernel may take on this device,
   // so that channels of every shape keep working whichever was created last.
-  const int optin = SmemOptin();
-  if (optin == 0) return cudaGetLastError();
-  if (cudaError_t err = AllowDynamicSmem(reinterpret_cast<const void*>(PlanKernel), optin,
-                                         PlanSmemBytes(s));
+  const DeviceLimits lim = CurrentDeviceLimits();
+  if (lim.smem_optin == 0) return cudaGetLastError();
+  if (cudaError_t err = AllowDynamicSmem(reinterpret_cast<const void*>(PlanKernel),
+                                         lim.smem_optin, PlanSmemBytes(s));
       err != cudaSuccess) {
     return err;
   }
-  if (s.tokens > kFusedMaxTokens) return cudaSuccess;
-  return AllowDynamicSmem(reinterpret_cast<const void*>(FusedDispatchKernel), optin,
+  if (!FusedDispatchOn(s, lim)) return cudaSuccess;
+  return AllowDynamicSmem(reinterpret_cast<const void*>(FusedDispatchKernel), lim.smem_optin,
                           FusedDispatchSmemBytes(s));
 }
 
@@ -859,15 +868,9 @@ int CombineRecvBlocks(const ChannelShape& s) {
   return Blocks(s.tokens * (s.row_bytes / 16), kThreads);
 }
 
-bool FusedDispatch(const ChannelShape& s) {
-  return s.tokens <= kFusedMaxTokens && ResidentBlocks() > 0 &&
-         static_cast<int64_t>(FusedDispatchSmemBytes(s)) + static_cast<int64_t>(sizeof(RecvTables)) +
-                 1024 <= SmemOptin();
-}
+bool FusedDispatch(const ChannelShape& s) { return FusedDispatchOn(s, CurrentDeviceLimits()); }
 
-bool FusedCombine(const ChannelShape& s) {
-  return s.tokens <= kFusedMaxTokens && ResidentBlocks() > 0;
-}
+bool FusedCombine(const ChannelShape& s) { return FusedCombineOn(s, CurrentDeviceLimits()); }
 
 namespace {
 
@@ -880,44 +883,15 @@ const uint8_t* RowsToSend(const ChannelView& ch, const void* x, cudaStream_t str
   return ch.base[ch.rank] + s.QuantizedOffset();
 }
 
-template <typename E>
-void LaunchCombineRecvAs(const ChannelView& ch, const int32_t* expert_ids,
-                         const int32_t* slot_pos, const float* weights, void* out,
-                         cudaStream_t stream) {
-  CombineRecvKernel<E><<<CombineRecvBlocks(ch.shape), kThreads, 0, stream>>>(
-      ch, expert_ids, slot_pos, weights, static_cast<typename E::Storage*>(out));
-}
-
-template <typename E>
-void LaunchFusedCombineAs(const ChannelView& ch, const void* y, const int32_t* all_counts,
-                          const int32_t* expert_ids, const int32_t* slot_pos,
-                          const float* weights, void* out, cudaStream_t stream) {
-  FusedCombineKernel<E><<<FusedCombineBlocks(ch.shape), kThreads, 0, stream>>>(
-      ch, static_cast<const uint8_t*>(y), all_counts, expert_ids, slot_pos, weights,
-      static_cast<typename E::Storage*>(out));
-}
-
-// Runs f<E>(...) for the element type `type`.
-template <template <typename> class F, typename... Args>
-void ForType(ElemType type, Args&&... args) {
+// Calls f(E{}) with E the element type `type` names.
+template <typename F>
+void WithElemType(ElemType type, F f) {
   switch (type) {
-    case ElemType::kF32: F<F32>{}(args...); break;
-    case ElemType::kBF16: F<BF16>{}(args...); break;
-    case ElemType::kF16: F<F16>{}(args...); break;
+    case ElemType::kF32: f(F32{}); break;
+    case ElemType::kBF16: f(BF16{}); break;
+    case ElemType::kF16: f(F16{}); break;
   }
 }
-
-template <typename E>
-struct CombineRecvLauncher {
-  template <typename... Args>
-  void operator()(Args&&... args) const { LaunchCombineRecvAs<E>(args...); }
-};
-
-template <typename E>
-struct FusedCombineLauncher {
-  template <typename... Args>
-  void operator()(Args&&... args) const { LaunchFusedCombineAs<E>(args...); }
-};
 
 }  // namespace
 
@@ -945,7 +919,8 @@ cudaError_t LaunchDispatch(const ChannelView& ch, const void* x, const int32_t* 
                            int32_t* slot_pos, int32_t* send_counts, void* rows, float* scales,
                            int32_t* group_sizes, int32_t* all_counts, cudaStream_t stream) {
   const ChannelShape& s = ch.shape;
-  if (!FusedDispatch(s)) {
+  const DeviceLimits lim = CurrentDeviceLimits();
+  if (!FusedDispatchOn(s, lim)) {
     if (cudaError_t err = LaunchDispatchSend(ch, x, expert_ids, slot_pos, send_counts, stream);
         err != cudaSuccess) {
       return err;
@@ -953,7 +928,8 @@ cudaError_t LaunchDispatch(const ChannelView& ch, const void* x, const int32_t* 
     return LaunchDispatchRecv(ch, rows, scales, group_sizes, all_counts, stream);
   }
   const uint8_t* send_rows = RowsToSend(ch, x, stream);
-  FusedDispatchKernel<<<FusedDispatchBlocks(s), kThreads, FusedDispatchSmemBytes(s), stream>>>(
+  const int blocks = FusedBlocks(std::max(SendBlocks(s), RecvBlocks(s)), lim);
+  FusedDispatchKernel<<<blocks, kThreads, FusedDispatchSmemBytes(s), stream>>>(
       ch, send_rows, expert_ids, slot_pos, send_counts, static_cast<uint8_t*>(rows),
       reinterpret_cast<uint8_t*>(scales), group_sizes, all_counts);
   return cudaGetLastError();
@@ -969,7 +945,11 @@ cudaError_t LaunchCombineSend(const ChannelView& ch, const void* y, const int32_
 cudaError_t LaunchCombineRecv(const ChannelView& ch, ElemType type, const int32_t* expert_ids,
                               const int32_t* slot_pos, const float* weights, void* out,
                               cudaStream_t stream) {
-  ForType<CombineRecvLauncher>(type, ch, expert_ids, slot_pos, weights, out, stream);
+  WithElemType(type, [&](auto elem) {
+    using E = decltype(elem);
+    CombineRecvKernel<E><<<CombineRecvBlocks(ch.shape), kThreads, 0, stream>>>(
+        ch, expert_ids, slot_pos, weights, static_cast<typename E::Storage*>(out));
+  });
   return cudaGetLastError();
 }
 
@@ -977,14 +957,21 @@ cudaError_t LaunchCombine(const ChannelView& ch, ElemType type, const void* y,
                           const int32_t* all_counts, const int32_t* expert_ids,
                           const int32_t* slot_pos, const float* weights, void* out,
                           cudaStream_t stream) {
-  if (!FusedCombine(ch.shape)) {
+  const ChannelShape& s = ch.shape;
+  const DeviceLimits lim = CurrentDeviceLimits();
+  if (!FusedCombineOn(s, lim)) {
     if (cudaError_t err = LaunchCombineSend(ch, y, all_counts, stream); err != cudaSuccess) {
       return err;
     }
     return LaunchCombineRecv(ch, type, expert_ids, slot_pos, weights, out, stream);
   }
-  ForType<FusedCombineLauncher>(type, ch, y, all_counts, expert_ids, slot_pos, weights, out,
-                                stream);
+  const int blocks = FusedBlocks(std::max(CombineSendBlocks(s), CombineRecvBlocks(s)), lim);
+  WithElemType(type, [&](auto elem) {
+    using E = decltype(elem);
+    FusedCombineKernel<E><<<blocks, kThreads, 0, stream>>>(
+        ch, static_cast<const uint8_t*>(y), all_counts, expert_ids, slot_pos, weights,
+        static_cast<typename E::Storage*>(out));
+  });
   return cudaGetLastError();
 }
 

@@ -47,14 +47,18 @@ def test_balancing_precedes_its_pair_first_stage(case):
   np.testing.assert_array_equal(sim.first_stages_from_rows(rows, n, m), first)
 
 
+def draw_order_and_starts(data, k):
+  """A stage order (a permutation of range(k)) and chunk starts (0 first)."""
+  order = data.draw(st.permutations(range(k)))
+  cuts = data.draw(st.sets(st.integers(1, max(1, k - 1)), max_size=4))
+  return order, [0] + sorted(c for c in cuts if c < k)
+
+
 @given(traffic_cases(), st.data())
 def test_pipelined_orders_deliver_exactly(case, data):
   t, n, m = case
   s = ref.fast_schedule(t, n, m)
-  k = s.num_bvn_stages
-  order = data.draw(st.permutations(range(k)))
-  cuts = data.draw(st.sets(st.integers(1, max(1, k - 1)), max_size=4))
-  starts = [0] + sorted(c for c in cuts if c < k)
+  order, starts = draw_order_and_starts(data, s.num_bvn_stages)
   stages = ref.pipelined_stages(s, starts, order)
   assert ref.delivered_exactly(t, stages)
 
@@ -163,9 +167,7 @@ def test_balancing_by_use_delivers_exactly_in_any_order(case, data):
   t, n, m = case
   s = ref.fast_schedule(t, n, m)
   k = s.num_bvn_stages
-  order = data.draw(st.permutations(range(k)))
-  cuts = data.draw(st.sets(st.integers(1, max(1, k - 1)), max_size=4))
-  starts = [0] + sorted(c for c in cuts if c < k)
+  order, starts = draw_order_and_starts(data, k)
   if data.draw(st.booleans()):
     starts = list(range(k)) or [0]
   stages = ref.pipelined_stages(s, starts, order, timing="use")

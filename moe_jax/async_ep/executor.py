@@ -212,8 +212,9 @@ class TimedAsyncEngine(AsyncEngine):
     call (padding, transfer, run, copy back; `LayerKernels.last_call_s`), or by
     `cost(layer, n_rows)` when given), and its outputs arrive `latency_s`
     later at another device, at once on the same device (the sampler's next
-    token to block-0 attention, an expert's output to a colocated rank). Devices therefore overlap in simulated time as real ones would,
-    while the host runs them one after another. Request arrivals are in
+    token to block-0 attention, an expert's output to a colocated rank).
+    Devices therefore overlap in simulated time as real ones would, while
+    the host runs them one after another. Request arrivals are in
     seconds of simulated time.
     """
 

@@ -28,6 +28,42 @@ inline T* GrowTo(std::vector<T>* v, size_t need) {
 
 }  // namespace
 
+// Lane summary for per-GPU schedules: the first min(have, want) units
+// (the ones the lane keeps) as filler pieces (flow_dst -1) around the kept
+// part of the piece in column `target` (if >= 0), then the pieces of the
+// excess the lane gives away, exactly as the full queue holds them.  Filler
+// is never emitted; the given pieces and the target piece sit at the same
+// unit offsets as in the full queue, so every row built from them is the
+// same.  Returns the slot after the last piece written.
+FastScheduler::Piece* FastScheduler::PutSummary(
+    const int64_t* tile, int m, int32_t flow_src, int32_t dst0, int64_t have,
+    int64_t want, int target, Piece* at) {
+  const int64_t keep = std::min(have, want);
+  auto put = [&](int32_t dst, int64_t amount) {
+    if (amount > 0) *at++ = {flow_src, dst, amount};
+  };
+  if (target < 0) {
+    put(-1, keep);
+  } else {
+    int64_t off = 0;  // units before the target piece
+    for (int h = 0; h < target; ++h) off += tile[h];
+    off = std::min(off, keep);
+    const int64_t kept_target = std::min(tile[target], keep - off);
+    put(-1, off);
+    put(dst0 + target, kept_target);
+    put(-1, keep - off - kept_target);
+  }
+  if (have > want) {  // the excess: the tail pieces, the first one cut
+    const int64_t excess = have - want;
+    int h = m - 1;
+    int64_t tail = tile[h];
+    while (tail < excess) tail += tile[--h];
+    put(dst0 + h, tile[h] - (tail - excess));
+    for (++h; h < m; ++h) put(dst0 + h, tile[h]);
+  }
+  return at;
+}
+
 // D[a, b]: sum of the a -> b tile, zero diagonal.  The M rows of server a
 // are added elementwise (vectorises), then each tile's M columns.  Returns
 // the OR of all entries (negative iff one of them is).
@@ -283,12 +319,22 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
       GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
   const int64_t start = pool_used_;
   int64_t at = start;
+  // With gpu_ >= 0, lanes other than gpu_'s keep only what gpu_'s rows
+  // need: the pieces they give away and, on pairs into gpu_'s server, the
+  // position of the flow into gpu_.
+  const int own_lane = gpu_ >= 0 ? static_cast<int>(gpu_ % m) : -1;
+  const int target = gpu_ >= 0 && b == gpu_ / m ? own_lane : -1;
   auto put_own = [&](int i) {  // lane i's own pieces at the pool's end
     const int64_t* tile = tile0 + i * g;
     const int32_t s = static_cast<int32_t>(static_cast<int64_t>(a) * m + i);
     qbeg_[lane0 + i] = at;
-    for (int h = 0; h < m; ++h) {
-      if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
+    if (own_lane < 0 || i == own_lane) {
+      for (int h = 0; h < m; ++h) {
+        if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
+      }
+    } else {
+      at = PutSummary(tile, m, s, b * m, have_[i], want_[i], target,
+                      pool + at) - pool;
     }
     kept_[i] = static_cast<int>(at - qbeg_[lane0 + i]);
   };
@@ -299,28 +345,32 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
   int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
                              kTransferCols);
   int j = -1;
+  int64_t deficit = 0;  // of receiver j
   for (int i = 0; i < m; ++i) {
+    int64_t excess = have_[i] - want_[i];
+    if (excess <= 0) continue;
     Piece* q = pool + qbeg_[lane0 + i];
-    while (have_[i] > want_[i]) {
-      if (j < 0 || have_[j] >= want_[j]) {
+    int kept = kept_[i];
+    const int64_t src = static_cast<int64_t>(a) * m + i;
+    while (excess > 0) {
+      if (deficit == 0) {
         do ++j; while (have_[j] >= want_[j]);
         put_own(j);
+        deficit = want_[j] - have_[j];
       }
-      int64_t x = std::min(have_[i] - want_[i], want_[j] - have_[j]);
-      have_[i] -= x;
-      have_[j] += x;
-      const int64_t src = static_cast<int64_t>(a) * m + i;
+      int64_t x = std::min(excess, deficit);
+      excess -= x;
+      deficit -= x;
       const int64_t dst = static_cast<int64_t>(a) * m + j;
+      const bool keep_rows = only < 0 || src == only || dst == only;
       while (x > 0) {
-        Piece& p = q[kept_[i] - 1];
+        Piece& p = q[kept - 1];
         const int64_t y = std::min(x, p.amount);
         p.amount -= y;
         x -= y;
         pool[at++] = {p.flow_src, p.flow_dst, y};
-        if (only < 0 || src == only || dst == only) {
-          w = PutRow(w, 0, src, dst, y, p.flow_src, p.flow_dst);
-        }
-        kept_[i] -= p.amount == 0;
+        if (keep_rows) w = PutRow(w, 0, src, dst, y, p.flow_src, p.flow_dst);
+        kept -= p.amount == 0;
       }
     }
   }
@@ -391,14 +441,12 @@ void FastScheduler::ScaleOutPair(int k, int a, int b, int64_t x, int l_begin,
       }
     } else if (src != only && dst != only) {
       // Another lane of a pair of gpu_'s server: only the redistribution
-      // rows into gpu_ (rare, so the branch predicts well).
+      // rows into gpu_ (written always, kept by a pointer bump).
       while (c > 0) {
         Piece& p = pool[h];
         const int64_t y = std::min(c, p.amount);
-        if (p.flow_dst == only) {
-          r = PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src,
-                     p.flow_dst);
-        }
+        PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
+        r += p.flow_dst == only ? kTransferCols : 0;
         c -= y;
         p.amount -= y;
         h += p.amount == 0;

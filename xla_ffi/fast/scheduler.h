@@ -131,6 +131,9 @@ class FastScheduler {
   bool Decompose(FastSchedule* out);
   void EmitStageRows(int k, FastSchedule* out);
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
+  static Piece* PutSummary(const int64_t* tile, int m, int32_t flow_src,
+                           int32_t dst0, int64_t have, int64_t want,
+                           int target, Piece* at);
   void BalancePair(const int64_t* traffic, int a, int b, int64_t big,
                    RowBuffer* rows);
   void BuildIntra(const int64_t* traffic, RowBuffer* rows);

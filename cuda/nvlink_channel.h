@@ -7,28 +7,32 @@
 //
 //   counters  u64[4 * P + 9]: dispatch arrivals / acks, combine arrivals /
 //             acks (one per peer), then 4 call epochs and 5 block tallies
-//             (the four calls and the plan)
+//             (the four calls and the plan). An arrival counter grows by
+//             kSignalUnit per call, however many blocks signal it; an ack
+//             holds how many of the calls it covers the peer has finished
+//             receiving.
 //   headers   i32[2][P][P * E_local]: each source's send counts, per parity
 //   index     i32[2][P][W]: for each source, the token row (in its dispatch
 //             staging) of every entry of its stream to this rank
-//   dispatch  [2][P][T][D]: token rows each source sent, once per token
-//             and destination rank however many of its picks live there
+//   dispatch  [2][P][T][D]: token rows each source sent, at the token's
+//             index, once per token and destination rank however many of
+//             its picks live there
 //   combine   [2][P][W][row_bytes]: expert outputs each expert rank returned,
 //             one per (token, pick)
-//   local     i32[T][P] token rows of this rank's current send (relative to
-//             their plan chunk), i32[chunks][P * E_local] and i32[chunks][P]
-//             where each plan chunk's entries and token rows start, then
-//             (fp8 dispatch) the quantized tokens [T][D]; never read by peers
+//   local     i32[chunks][P * E_local] where each plan chunk's entries
+//             start in each stream, then (fp8 dispatch) the quantized tokens
+//             [T][D]; never read by peers
 //
 // with W = T * min(k, E_local), the most (token, pick) entries one source
 // can send one rank, and D the bytes of a dispatched row (row_bytes, or
 // H + 4 * H / 128 for e4m3 with per-128 float32 scales). A stream to a rank
 // lists its entries by (local expert, token, pick); the index maps each
-// entry to its token row, which the receiver copies into the grouped layout.
+// entry to its token, whose row the receiver copies into the grouped layout.
 // Senders store rows straight into the receiver's buffers over NVLink (peer
 // access), then raise the receiver's arrival counter; receivers wait on it
 // on the device. Buffers alternate between two parities by call count, and
-// a sender only reuses a parity once every receiver acknowledged reading it,
+// a sender only reuses a parity once every receiver acknowledged reading it
+// (receivers acknowledge at the start of their next send on the channel),
 // so at most two sends per channel may be outstanding. Counts never leave
 // the device and nothing synchronizes with the host: every launcher enqueues
 // kernels only (command-buffer compatible).
@@ -53,6 +57,8 @@ inline constexpr int kMaxRanks = 8;
 inline constexpr int kMaxExperts = 1024;        // P * E_local
 inline constexpr int kMaxLocalExperts = 256;    // E_local
 inline constexpr int kPlanChunkTokens = 128;    // tokens one plan block orders
+// What one call adds to each arrival counter it raises (more than any grid).
+inline constexpr unsigned long long kSignalUnit = 1ull << 20;
 
 // Counter slots (u64) at the start of every rank's block.
 struct Counters {
@@ -106,20 +112,14 @@ struct ChannelShape {
   MOE_JAX_HD int64_t CombineStagingBytes() const {
     return 2 * num_ranks * RowsPerSource() * row_bytes;
   }
-  MOE_JAX_HD int64_t TokenRowsOffset() const {
-    return Align(CombineOffset() + CombineStagingBytes());
-  }
   MOE_JAX_HD int64_t PlanChunks() const {
     return (tokens + kPlanChunkTokens - 1) / kPlanChunkTokens;
   }
   MOE_JAX_HD int64_t ChunkEntryStartOffset() const {
-    return Align(TokenRowsOffset() + tokens * num_ranks * 4);
-  }
-  MOE_JAX_HD int64_t ChunkRowStartOffset() const {
-    return Align(ChunkEntryStartOffset() + PlanChunks() * NumExperts() * 4);
+    return Align(CombineOffset() + CombineStagingBytes());
   }
   MOE_JAX_HD int64_t QuantizedOffset() const {
-    return Align(ChunkRowStartOffset() + PlanChunks() * num_ranks * 4);
+    return Align(ChunkEntryStartOffset() + PlanChunks() * NumExperts() * 4);
   }
   MOE_JAX_HD int64_t TotalBytes() const {
     return QuantizedOffset() + (dispatch_fp8 ? tokens * DispatchRowBytes() : 0);

@@ -1,20 +1,26 @@
 // Kernels of the count-aware NVLink channel (nvlink_channel.h).
 //
-// Synchronization: every block of a sender stores its rows into the peer's
-// buffer, fences at system scope and counts itself done on a local tally;
-// the last block to finish then adds 1 to each peer's arrival counter for
-// this rank (one signal per call, however many blocks). A receiver's
-// thread 0 waits (acquire loads) until the counter reaches the call index
-// + 1, and the block barrier orders the row reads after it; rows are read
-// with L2-coherent loads. After reading, the receiver acknowledges the same
-// way, and the sender waits for that ack before reusing the parity two
-// calls later. Call indices (epochs) live on the device: the last block of a
-// call also advances its epoch, so graph replays need no host-side state.
+// Synchronization: every block of a sender stores its share of the rows
+// into the peers' buffers, fences at system scope and raises each peer's
+// arrival counter for this rank with a release reduction; the blocks' adds
+// sum to kSignalUnit per call (block 0 adds kSignalUnit - blocks + 1, the
+// others 1), so the counter reaches (call index + 1) * kSignalUnit exactly
+// when every block has signalled, whatever the grid. A receiver's threads
+// wait on every peer's counter in parallel (acquire loads), and the block
+// barrier orders the row reads after the waits; rows are read with
+// L2-coherent loads. Receivers acknowledge lazily: every kernel that starts
+// a send (plan, combine send, the fused kernels) first publishes, with a
+// release max on each peer's ack slot for this rank, how many dispatch and
+// combine receives this rank has finished (all earlier kernels on the
+// stream are done). A sender waits for that ack before reusing a parity two
+// calls later. Call indices (epochs) live on the device: each block reads
+// them at its start and counts itself on a tally at its end, and the last
+// block advances them, so graph replays need no host-side state.
 //
 // Dispatch moves each token once per destination rank (however many of its
-// picks live there) and an index entry per (token, pick); the receiver
-// expands the index into one row per pick while it groups the rows by
-// expert, a copy it makes anyway.
+// picks live there), at its token index in that rank's staging, and an
+// index entry per (token, pick); the receiver expands the index into one row
+// per pick while it groups the rows by expert, a copy it makes anyway.
 #include "nvlink_channel.h"
 
 #include <algorithm>
@@ -79,52 +85,115 @@ __device__ void WaitForPeers(const ChannelView& ch, int64_t slot0, u64 target,
   __syncthreads();
 }
 
-// Reads this call's epoch (thread 0) into shared memory for the block.
-__device__ __forceinline__ u64 BlockEpoch(const ChannelView& ch, int call) {
-  __shared__ u64 epoch;
-  __syncthreads();  // an earlier BlockEpoch's readers are done with `epoch`
+__device__ __forceinline__ void SignalAdd(u64* counter, u64 amount) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" :: "l"(counter), "l"(amount)
+               : "memory");
+}
+
+__device__ __forceinline__ void SignalMax(u64* counter, u64 value) {
+  asm volatile("red.relaxed.sys.global.max.u64 [%0], %1;" :: "l"(counter), "l"(value)
+               : "memory");
+}
+
+__device__ __forceinline__ u64 LoadVolatile(const u64* p) {
+  return *reinterpret_cast<const volatile u64*>(p);
+}
+
+// What a kernel knows about its call: the epochs (call indices) of the
+// call(s) it runs (fused kernels run a send and its receive) and, for a
+// kernel that starts a send, how many dispatch and combine receives this
+// rank had finished when it started.
+struct CallState {
+  u64 first = 0;
+  u64 second = 0;
+  u64 dispatches_received = 0;
+  u64 combines_received = 0;
+};
+
+// Every block calls this first: thread 0 reads the epochs of `call` and
+// (second >= 0) `second`, and the receive epochs, for the block; then it
+// counts the block on the call's tally, and the last block of the grid to
+// count (every block has read) advances the epochs for the next call on
+// this stream.
+__device__ __forceinline__ CallState CallStart(const ChannelView& ch, int call, int second) {
+  __shared__ CallState state;
+  const int p = ch.shape.num_ranks;
+  u64* mine = CountersOf(ch, ch.rank);
   if (threadIdx.x == 0) {
-    epoch = *reinterpret_cast<volatile u64*>(CountersOf(ch, ch.rank) +
-                                             Counters::Epoch(ch.shape.num_ranks, call));
+    state.first = LoadVolatile(mine + Counters::Epoch(p, call));
+    state.second = second >= 0 ? LoadVolatile(mine + Counters::Epoch(p, second)) : 0;
+    state.dispatches_received = LoadVolatile(mine + Counters::Epoch(p, kDispatchRecv));
+    state.combines_received = LoadVolatile(mine + Counters::Epoch(p, kCombineRecv));
   }
   __syncthreads();
-  return epoch;
+  const CallState read = state;
+  if (threadIdx.x == 0) {
+    u64* tally = mine + Counters::Tally(p, call);
+    u64 before;
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(before) : "l"(tally)
+                 : "memory");
+    if (before == gridDim.x - 1) {
+      *tally = 0;
+      mine[Counters::Epoch(p, call)] = read.first + 1;
+      if (second >= 0) mine[Counters::Epoch(p, second)] = read.second + 1;
+    }
+  }
+  return read;
 }
 
-__device__ __forceinline__ void SignalRelease(u64* counter) {
-  asm volatile("red.release.sys.global.add.u64 [%0], 1;" :: "l"(counter) : "memory");
+// Publishes (the grid's last block, thread i to rank i) how many dispatch
+// and combine receives this rank had finished when the kernel started:
+// every kernel before it on the stream is done, so their reads of the
+// staging are too. Kernels that start a send call it once their own stores
+// are under way.
+__device__ __forceinline__ void Acknowledge(const ChannelView& ch, const CallState& state) {
+  const int p = ch.shape.num_ranks;
+  if (blockIdx.x != gridDim.x - 1 || threadIdx.x >= p) return;
+  u64* peer = CountersOf(ch, threadIdx.x);
+  SignalMax(peer + Counters::DispatchAck(p, ch.rank), state.dispatches_received);
+  SignalMax(peer + Counters::CombineAck(p, ch.rank), state.combines_received);
 }
 
-// Every block calls this after its stores for `tally_call`. Returns (to
-// every thread) whether this block is the last of the grid to do so; the
-// last block then sees every block's stores (system scope) and has reset
-// the tally for the next call.
-__device__ __forceinline__ bool LastBlock(const ChannelView& ch, int tally_call) {
+// After its stores to the peers: every block raises each peer's counter
+// slot0 + (this rank) by its part of kSignalUnit (thread i signals rank i).
+__device__ __forceinline__ void SignalArrival(const ChannelView& ch, int64_t slot0) {
+  __syncthreads();
+  if (threadIdx.x < ch.shape.num_ranks) {
+    const u64 part = blockIdx.x == 0 ? kSignalUnit - gridDim.x + 1 : 1;
+    SignalAdd(CountersOf(ch, threadIdx.x) + slot0 + ch.rank, part);
+  }
+}
+
+// Waits until every source's arrival counter (from slot0) covers call `epoch`.
+__device__ __forceinline__ void WaitArrivals(const ChannelView& ch, int64_t slot0, u64 epoch,
+                                             const char* what) {
+  WaitForPeers(ch, slot0, (epoch + 1) * kSignalUnit, what);
+}
+
+// Waits until every receiver finished reading the parity of call `epoch`
+// (its call two before), from the ack slots at slot0.
+__device__ __forceinline__ void WaitReusable(const ChannelView& ch, int64_t slot0, u64 epoch,
+                                             const char* what) {
+  if (epoch >= 2) WaitForPeers(ch, slot0, epoch - 1, what);
+}
+
+// Every block of the plan calls this after its stores; returns (to every
+// thread) whether this block is the last of the grid to do so. The last
+// block then sees every block's stores and has reset the tally.
+__device__ __forceinline__ bool LastPlanBlock(const ChannelView& ch) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    u64* tally = CountersOf(ch, ch.rank) + Counters::Tally(ch.shape.num_ranks, tally_call);
-    __threadfence_system();
+    u64* tally = CountersOf(ch, ch.rank) + Counters::Tally(ch.shape.num_ranks, kPlan);
+    __threadfence();
     last = atomicAdd(tally, 1ull) == gridDim.x - 1;
     if (last) {
-      __threadfence_system();
+      __threadfence();
       atomicExch(tally, 0ull);
     }
   }
   __syncthreads();
   return last;
-}
-
-// Every block calls this last. The last block of the call to finish, once
-// every block's stores are visible system-wide, adds 1 to counter
-// signal_slot0 + (this rank) on every rank (thread i signals rank i), then
-// advances the call's epoch for the next call on this stream.
-__device__ __forceinline__ void FinishCall(const ChannelView& ch, int call,
-                                           int64_t signal_slot0) {
-  if (!LastBlock(ch, call)) return;
-  const int p = ch.shape.num_ranks;
-  if (threadIdx.x < p) SignalRelease(CountersOf(ch, threadIdx.x) + signal_slot0 + ch.rank);
-  if (threadIdx.x == 0) atomicAdd(CountersOf(ch, ch.rank) + Counters::Epoch(p, call), 1ull);
 }
 
 __device__ __forceinline__ int32_t* Header(const ChannelView& ch, int rank, int parity,
@@ -155,9 +224,15 @@ __device__ __forceinline__ uint8_t* CombineRow(const ChannelView& ch, int rank, 
          ((int64_t{parity} * s.num_ranks + src) * s.RowsPerSource() + pos) * s.row_bytes;
 }
 
-// This rank's i32[T][P] token rows of its current send (local scratch).
-__device__ __forceinline__ int32_t* TokenRows(const ChannelView& ch) {
-  return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.TokenRowsOffset());
+// Whether one of token t's picks lives on rank d.
+__device__ __forceinline__ bool PicksOn(const ChannelShape& s, const int32_t* expert_ids,
+                                        int64_t t, int d) {
+  const int64_t num_experts = s.NumExperts();
+  for (int j = 0; j < s.top_k; ++j) {
+    const int32_t e = expert_ids[t * s.top_k + j];
+    if (e >= 0 && e < num_experts && e / s.experts_per_rank == d) return true;
+  }
+  return false;
 }
 
 // Per-block tables of the rows this rank holds for each (source, local
@@ -307,17 +382,11 @@ __device__ __forceinline__ int32_t* ChunkEntryStart(const ChannelView& ch) {  //
   return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.ChunkEntryStartOffset());
 }
 
-__device__ __forceinline__ int32_t* ChunkRowStart(const ChannelView& ch) {  // [chunks][P]
-  return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.ChunkRowStartOffset());
-}
-
 // Shared memory one block needs to order a chunk: per-warp and running
-// per-expert counts, per-warp and running per-rank token counts.
+// per-expert counts.
 struct PlanScratch {
   int32_t* warp_count;  // [kWarps][E]
   int32_t* count;       // [E]
-  int32_t warp_tokens[kWarps][kMaxRanks];
-  int32_t dest_count[kMaxRanks];
 };
 
 __host__ __device__ constexpr int64_t PlanSmemInts(int64_t num_experts) {
@@ -333,22 +402,17 @@ __device__ __forceinline__ int32_t* AttachPlanScratch(PlanScratch& ps, int32_t* 
   return ps.count + num_experts;
 }
 
-// Orders the tokens [t0, t1) of one chunk, all threads of the block taking part:
-//   entry_rank[n - t0 * k]: rank of slot n among the chunk's slots of its
-//     expert, in (token, pick) order; -1 for a dropped pick;
-//   row_rank[(t - t0) * P + d]: rank of token t among the chunk's tokens with
-//     a pick on rank d; -1 when it has none.
-// Leaves the chunk's per-expert counts in ps.count and per-rank token counts
-// in ps.dest_count.
+// Orders the tokens [t0, t1) of one chunk, all threads of the block taking
+// part: entry_rank[n - t0 * k] is the rank of slot n among the chunk's slots
+// of its expert, in (token, pick) order, or -1 for a dropped pick. Leaves
+// the chunk's per-expert counts in ps.count.
 __device__ void PlanChunk(const ChannelShape& s, const int32_t* __restrict__ expert_ids,
-                          int64_t t0, int64_t t1, int32_t* entry_rank, int32_t* row_rank,
-                          PlanScratch& ps) {
+                          int64_t t0, int64_t t1, int32_t* entry_rank, PlanScratch& ps) {
   const int num_experts = static_cast<int>(s.NumExperts());
-  const int num_local = s.experts_per_rank, p = s.num_ranks, k = s.top_k;
+  const int k = s.top_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) ps.count[e] = 0;
-  if (threadIdx.x < p) ps.dest_count[threadIdx.x] = 0;
   const int64_t n0 = t0 * k, n1 = t1 * k;
   for (int64_t c0 = n0; c0 < n1; c0 += blockDim.x) {
     for (int i = threadIdx.x; i < kWarps * num_experts; i += blockDim.x) ps.warp_count[i] = 0;
@@ -371,40 +435,6 @@ __device__ void PlanChunk(const ChannelShape& s, const int32_t* __restrict__ exp
     }
     __syncthreads();
     if (n < n1) entry_rank[n - n0] = valid ? ps.warp_count[warp * num_experts + e] + lane_rank : -1;
-    __syncthreads();
-  }
-  for (int64_t tb = t0; tb < t1; tb += blockDim.x) {
-    const int64_t t = tb + threadIdx.x;
-    unsigned ranks = 0;  // bit d: some pick of t lives on rank d
-    if (t < t1) {
-      for (int j = 0; j < k; ++j) {
-        const int32_t e = expert_ids[t * k + j];
-        if (e >= 0 && e < num_experts) ranks |= 1u << (e / num_local);
-      }
-    }
-    for (int d = 0; d < p; ++d) {
-      const unsigned have = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
-      if (lane == 0) ps.warp_tokens[warp][d] = __popc(have);
-    }
-    __syncthreads();
-    if (threadIdx.x < p) {
-      const int d = threadIdx.x;
-      int32_t run = ps.dest_count[d];
-      for (int w = 0; w < kWarps; ++w) {
-        const int32_t c = ps.warp_tokens[w][d];
-        ps.warp_tokens[w][d] = run;
-        run += c;
-      }
-      ps.dest_count[d] = run;
-    }
-    __syncthreads();
-    for (int d = 0; d < p; ++d) {
-      const unsigned have = __ballot_sync(0xffffffffu, (ranks >> d) & 1u);
-      if (t < t1) {
-        row_rank[(t - t0) * p + d] =
-            (ranks >> d) & 1u ? ps.warp_tokens[warp][d] + __popc(have & below) : -1;
-      }
-    }
     __syncthreads();
   }
 }
@@ -441,14 +471,13 @@ __device__ void ScanColumns(int32_t* table, int64_t chunks, int cols, int32_t* t
         run += v[b];
       }
     }
-    if (total != nullptr) total[col] = run;
+    total[col] = run;
   }
 }
 
-// One block per chunk of kPlanChunkTokens tokens: slot_pos[n] and the token
-// rows hold ranks within the chunk; the last block then turns the chunks'
-// counts into where each chunk's entries start in each stream (ChunkEntryStart,
-// by expert) and its token rows in each rank's staging (ChunkRowStart), and
+// One block per chunk of kPlanChunkTokens tokens: slot_pos[n] holds ranks
+// within the chunk; the last block then turns the chunks' counts into where
+// each chunk's entries start in each stream (ChunkEntryStart, by expert) and
 // writes send_counts.
 __global__ void __launch_bounds__(kThreads)
 PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
@@ -457,21 +486,17 @@ PlanKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
   __shared__ PlanScratch ps;
   const ChannelShape& s = ch.shape;
   const int num_experts = static_cast<int>(s.NumExperts());
-  const int p = s.num_ranks;
   AttachPlanScratch(ps, smem, num_experts);
   const int64_t chunk = blockIdx.x, chunks = gridDim.x;
   const int64_t t0 = chunk * kPlanChunkTokens;
   const int64_t t1 = t0 + kPlanChunkTokens < s.tokens ? t0 + kPlanChunkTokens : s.tokens;
-  PlanChunk(s, expert_ids, t0, t1, slot_pos + t0 * s.top_k, TokenRows(ch) + t0 * p, ps);
+  PlanChunk(s, expert_ids, t0, t1, slot_pos + t0 * s.top_k, ps);
   int32_t* entry_start = ChunkEntryStart(ch);
-  int32_t* row_start = ChunkRowStart(ch);
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
     entry_start[chunk * num_experts + e] = ps.count[e];
   }
-  if (threadIdx.x < p) row_start[chunk * p + threadIdx.x] = ps.dest_count[threadIdx.x];
-  if (!LastBlock(ch, kPlan)) return;
+  if (!LastPlanBlock(ch)) return;
   ScanColumns(entry_start, chunks, num_experts, ps.count);
-  ScanColumns(row_start, chunks, p, nullptr);
   int32_t* offset = ps.warp_count;
   StreamOffsets(num_experts, s.experts_per_rank, ps.count, offset);
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) send_counts[e] = ps.count[e];
@@ -524,43 +549,45 @@ QuantizeKernel(ChannelView ch, const uint16_t* __restrict__ x) {
   }
 }
 
-// The send half of dispatch, after the plan. position(n) -> stream position
-// of slot n (or -1), row(t, d) -> staging row of token t on rank d (or -1).
-// Waits for the receivers to release this parity, writes the headers (block
-// 0), the index entries and the token rows, then signals.
-template <typename Position, typename Row>
-__device__ void SendHalf(const ChannelView& ch, u64 epoch, const uint8_t* __restrict__ rows,
-                         const int32_t* __restrict__ expert_ids,
-                         const int32_t* __restrict__ send_counts, Position position, Row row_of) {
+// Dispatch send, in the order the fused kernel runs it: each token row
+// once to every rank one of its picks lives on, at its token index.
+__device__ __forceinline__ void SendRows(const ChannelView& ch, int parity,
+                                         const uint8_t* __restrict__ rows,
+                                         const int32_t* __restrict__ expert_ids) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
-  const int parity = static_cast<int>(epoch & 1);
-  if (epoch >= 2) WaitForPeers(ch, Counters::DispatchAck(p, 0), epoch - 1, "the dispatch ack");
-  if (blockIdx.x == 0) {
-    const int64_t ints = s.HeaderInts();
-    for (int d = 0; d < p; ++d) {
-      int32_t* h = Header(ch, d, parity, ch.rank);
-      for (int64_t i = threadIdx.x; i < ints; i += blockDim.x) h[i] = send_counts[i];
-    }
+  const int64_t row_bytes = s.DispatchRowBytes();
+  const int32_t vecs = static_cast<int32_t>(row_bytes / 16);
+  CopyRows(static_cast<int32_t>(s.tokens * p), vecs, vecs,
+           [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
+             const int64_t t = r / p;
+             const int d = r % p;
+             if (!PicksOn(s, expert_ids, t, d)) return;
+             *src = reinterpret_cast<const uint4*>(rows + t * row_bytes);
+             *dst = reinterpret_cast<uint4*>(DispatchRow(ch, d, parity, ch.rank, t));
+           });
+}
+
+// The stream entries (position(n) -> stream position of slot n, or -1):
+// each names its token in the destination's index list; block d (mod the
+// grid) also writes this rank's send counts into rank d's header.
+template <typename Position>
+__device__ __forceinline__ void SendIndex(const ChannelView& ch, int parity,
+                                          const int32_t* __restrict__ expert_ids,
+                                          const int32_t* send_counts, Position position) {
+  const ChannelShape& s = ch.shape;
+  for (int d = 0; d < s.num_ranks; ++d) {
+    if (d % static_cast<int>(gridDim.x) != static_cast<int>(blockIdx.x)) continue;
+    int32_t* h = Header(ch, d, parity, ch.rank);
+    for (int64_t i = threadIdx.x; i < s.HeaderInts(); i += blockDim.x) h[i] = send_counts[i];
   }
   for (int64_t n = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; n < s.Slots();
        n += int64_t{gridDim.x} * blockDim.x) {
     const int32_t pos = position(n);
     if (pos < 0) continue;
     const int d = expert_ids[n] / s.experts_per_rank;
-    IndexOf(ch, d, parity, ch.rank)[pos] = row_of(n / s.top_k, d);
+    IndexOf(ch, d, parity, ch.rank)[pos] = static_cast<int32_t>(n / s.top_k);
   }
-  const int64_t row_bytes = s.DispatchRowBytes();
-  const int32_t vecs = static_cast<int32_t>(row_bytes / 16);
-  CopyRows(static_cast<int32_t>(s.tokens * p), vecs, vecs,
-           [&](int32_t r, const uint4** src, uint4** dst, uint4** /*tail*/) {
-             const int d = r % p;
-             const int32_t row = row_of(r / p, d);
-             if (row < 0) return;
-             *src = reinterpret_cast<const uint4*>(rows + int64_t{r / p} * row_bytes);
-             *dst = reinterpret_cast<uint4*>(DispatchRow(ch, d, parity, ch.rank, row));
-           });
-  FinishCall(ch, kDispatchSend, Counters::DispatchArrive(p, 0));
 }
 
 // rows: x, or the quantized tokens for fp8 dispatch ([T, D] either way).
@@ -573,21 +600,20 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
   const int num_experts = static_cast<int>(s.NumExperts());
   const int p = s.num_ranks;
   const int32_t* entry_start = ChunkEntryStart(ch);
-  const int32_t* row_start = ChunkRowStart(ch);
-  const int32_t* token_rows = TokenRows(ch);
   const int64_t per_chunk = int64_t{kPlanChunkTokens} * s.top_k;
-  SendHalf(ch, BlockEpoch(ch, kDispatchSend), rows, expert_ids, send_counts,
-           [&](int64_t n) {
-             const int32_t rank = slot_pos[n];
-             if (rank < 0) return int32_t{-1};
-             const int32_t pos = entry_start[(n / per_chunk) * num_experts + expert_ids[n]] + rank;
-             slot_pos[n] = pos;
-             return pos;
-           },
-           [&](int64_t t, int d) {
-             const int32_t rank = token_rows[t * p + d];
-             return rank < 0 ? rank : row_start[(t / kPlanChunkTokens) * p + d] + rank;
-           });
+  const CallState call = CallStart(ch, kDispatchSend, -1);
+  const int parity = static_cast<int>(call.first & 1);
+  WaitReusable(ch, Counters::DispatchAck(p, 0), call.first, "the dispatch ack");
+  SendRows(ch, parity, rows, expert_ids);
+  Acknowledge(ch, call);
+  SendIndex(ch, parity, expert_ids, send_counts, [&](int64_t n) {
+    const int32_t rank = slot_pos[n];
+    if (rank < 0) return int32_t{-1};
+    const int32_t pos = entry_start[(n / per_chunk) * num_experts + expert_ids[n]] + rank;
+    slot_pos[n] = pos;
+    return pos;
+  });
+  SignalArrival(ch, Counters::DispatchArrive(p, 0));
 }
 
 //===----------------------------------------------------------------------===//
@@ -595,30 +621,19 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
 //===----------------------------------------------------------------------===//
 
 // The receive half of dispatch: waits for every source, then groups the
-// received rows by expert and acknowledges.
+// received rows by expert.
 __device__ void RecvHalf(const ChannelView& ch, u64 epoch, RecvTables& tb,
                          uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
                          int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
   const int parity = static_cast<int>(epoch & 1);
-  WaitForPeers(ch, Counters::DispatchArrive(p, 0), epoch + 1, "the dispatched rows");
+  WaitArrivals(ch, Counters::DispatchArrive(p, 0), epoch, "the dispatched rows");
   for (int i = threadIdx.x; i < p * num_local; i += blockDim.x) {
     const int src = i / num_local, e = i % num_local;
     tb.count[src][e] = __ldcg(Header(ch, ch.rank, parity, src) + ch.rank * num_local + e);
   }
-  if (blockIdx.x == 0) {
-    const int64_t ints = s.HeaderInts();
-    for (int64_t i = threadIdx.x; i < p * ints; i += blockDim.x) {
-      all_counts[i] = __ldcg(Header(ch, ch.rank, parity, static_cast<int>(i / ints)) + i % ints);
-    }
-  }
   BuildTables(tb, p, num_local);
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
-      group_sizes[e] = tb.expert_offset[e + 1] - tb.expert_offset[e];
-    }
-  }
   const int64_t value_bytes = s.DispatchValueBytes();
   const int64_t scale_bytes = s.DispatchRowBytes() - value_bytes;
   CopyRows(tb.expert_offset[num_local], static_cast<int32_t>(s.DispatchRowBytes() / 16),
@@ -627,24 +642,34 @@ __device__ void RecvHalf(const ChannelView& ch, u64 epoch, RecvTables& tb,
              int from;
              int32_t pos;
              Locate(tb, p, num_local, r, from, pos);
-             const int32_t row = __ldcg(IndexOf(ch, ch.rank, parity, from) + pos);
-             *src = reinterpret_cast<const uint4*>(DispatchRow(ch, ch.rank, parity, from, row));
+             const int32_t token = __ldcg(IndexOf(ch, ch.rank, parity, from) + pos);
+             *src = reinterpret_cast<const uint4*>(DispatchRow(ch, ch.rank, parity, from, token));
              *dst = reinterpret_cast<uint4*>(rows + int64_t{r} * value_bytes);
              *tail = reinterpret_cast<uint4*>(scales + int64_t{r} * scale_bytes);
            });
-  FinishCall(ch, kDispatchRecv, Counters::DispatchAck(p, 0));
+  if (blockIdx.x == gridDim.x - 1) {
+    const int64_t ints = s.HeaderInts();
+    for (int64_t i = threadIdx.x; i < p * ints; i += blockDim.x) {
+      all_counts[i] = __ldcg(Header(ch, ch.rank, parity, static_cast<int>(i / ints)) + i % ints);
+    }
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+      group_sizes[e] = tb.expert_offset[e + 1] - tb.expert_offset[e];
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kThreads)
 RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
            int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
   __shared__ RecvTables tb;
-  RecvHalf(ch, BlockEpoch(ch, kDispatchRecv), tb, rows, scales, group_sizes, all_counts);
+  RecvHalf(ch, CallStart(ch, kDispatchRecv, -1).first, tb, rows, scales, group_sizes,
+           all_counts);
 }
 
 // Plan, send and receive in one kernel for one-chunk calls whose grid fits
 // on the GPU at once (so blocks waiting for the send cannot keep a sending
-// block from running). Every block orders the chunk itself in shared memory.
+// block from running). Every block sends its share of the token rows first
+// (they need no plan), then orders the call itself in shared memory.
 __global__ void __launch_bounds__(kThreads)
 FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
                     const int32_t* __restrict__ expert_ids, int32_t* __restrict__ slot_pos,
@@ -657,36 +682,39 @@ FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
   const ChannelShape& s = ch.shape;
   const int num_experts = static_cast<int>(s.NumExperts());
   const int p = s.num_ranks;
+  const CallState call = CallStart(ch, kDispatchSend, kDispatchRecv);
+  const int parity = static_cast<int>(call.first & 1);
+  WaitReusable(ch, Counters::DispatchAck(p, 0), call.first, "the dispatch ack");
+  SendRows(ch, parity, send_rows, expert_ids);
+  Acknowledge(ch, call);
   int32_t* entry_rank = AttachPlanScratch(ps, smem, num_experts);  // [T * k]
-  int32_t* row_rank = entry_rank + s.Slots();     // [T * P]
-  const u64 send_epoch = BlockEpoch(ch, kDispatchSend);
-  const u64 recv_epoch = BlockEpoch(ch, kDispatchRecv);
-  PlanChunk(s, expert_ids, 0, s.tokens, entry_rank, row_rank, ps);
+  PlanChunk(s, expert_ids, 0, s.tokens, entry_rank, ps);
   int32_t* offset = ps.warp_count;
   StreamOffsets(num_experts, s.experts_per_rank, ps.count, offset);
+  auto position = [&](int64_t n) {
+    return entry_rank[n] < 0 ? int32_t{-1} : entry_rank[n] + offset[expert_ids[n]];
+  };
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) send_counts[e] = ps.count[e];
-    for (int64_t n = threadIdx.x; n < s.Slots(); n += blockDim.x) {
-      slot_pos[n] = entry_rank[n] < 0 ? -1 : entry_rank[n] + offset[expert_ids[n]];
-    }
+    for (int64_t n = threadIdx.x; n < s.Slots(); n += blockDim.x) slot_pos[n] = position(n);
   }
-  SendHalf(ch, send_epoch, send_rows, expert_ids, ps.count,
-           [&](int64_t n) {
-             return entry_rank[n] < 0 ? int32_t{-1} : entry_rank[n] + offset[expert_ids[n]];
-           },
-           [&](int64_t t, int d) { return row_rank[t * p + d]; });
-  RecvHalf(ch, recv_epoch, tb, rows, scales, group_sizes, all_counts);
+  SendIndex(ch, parity, expert_ids, ps.count, position);
+  SignalArrival(ch, Counters::DispatchArrive(p, 0));
+  RecvHalf(ch, call.second, tb, rows, scales, group_sizes, all_counts);
 }
 
 //===----------------------------------------------------------------------===//
 // combine send / recv
 //===----------------------------------------------------------------------===//
 
-__device__ void CombineSendHalf(const ChannelView& ch, u64 epoch, RecvTables& tb,
+// Sends the expert outputs back, then acknowledges this rank's finished
+// receives (this kernel starts the combine's send).
+__device__ void CombineSendHalf(const ChannelView& ch, const CallState& call, RecvTables& tb,
                                 const uint8_t* __restrict__ y,
                                 const int32_t* __restrict__ all_counts) {
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks, num_local = s.experts_per_rank;
+  const u64 epoch = call.first;
   const int parity = static_cast<int>(epoch & 1);
   for (int i = threadIdx.x; i < p * num_local; i += blockDim.x) {
     const int src = i / num_local, e = i % num_local;
@@ -694,7 +722,7 @@ __device__ void CombineSendHalf(const ChannelView& ch, u64 epoch, RecvTables& tb
   }
   BuildTables(tb, p, num_local);
   BuildRotation(tb, p, num_local, ch.rank);
-  if (epoch >= 2) WaitForPeers(ch, Counters::CombineAck(p, 0), epoch - 1, "the combine ack");
+  WaitReusable(ch, Counters::CombineAck(p, 0), epoch, "the combine ack");
   const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   CopyRows(tb.expert_offset[num_local], vecs, vecs,
            [&](int32_t u, const uint4** src, uint4** dst, uint4** /*tail*/) {
@@ -704,7 +732,8 @@ __device__ void CombineSendHalf(const ChannelView& ch, u64 epoch, RecvTables& tb
              *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes);
              *dst = reinterpret_cast<uint4*>(CombineRow(ch, to, parity, ch.rank, pos));
            });
-  FinishCall(ch, kCombineSend, Counters::CombineArrive(p, 0));
+  Acknowledge(ch, call);
+  SignalArrival(ch, Counters::CombineArrive(p, 0));
 }
 
 template <typename E>
@@ -718,7 +747,7 @@ __device__ void CombineRecvHalf(const ChannelView& ch, u64 epoch,
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
   const int parity = static_cast<int>(epoch & 1);
-  WaitForPeers(ch, Counters::CombineArrive(p, 0), epoch + 1, "the returned rows");
+  WaitArrivals(ch, Counters::CombineArrive(p, 0), epoch, "the returned rows");
   const int64_t vecs = s.row_bytes / 16;
   const int64_t total = s.tokens * vecs;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
@@ -750,14 +779,13 @@ __device__ void CombineRecvHalf(const ChannelView& ch, u64 epoch,
     for (int q = 0; q < kPer; ++q) o.elem[q] = E::FromFloat(acc[q]);
     reinterpret_cast<uint4*>(out + t * (s.row_bytes / sizeof(S)))[v] = o.vec;
   }
-  FinishCall(ch, kCombineRecv, Counters::CombineAck(p, 0));
 }
 
 __global__ void __launch_bounds__(kThreads)
 CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
                   const int32_t* __restrict__ all_counts) {
   __shared__ RecvTables tb;
-  CombineSendHalf(ch, BlockEpoch(ch, kCombineSend), tb, y, all_counts);
+  CombineSendHalf(ch, CallStart(ch, kCombineSend, -1), tb, y, all_counts);
 }
 
 template <typename E>
@@ -765,7 +793,8 @@ __global__ void __launch_bounds__(kThreads)
 CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
                   const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
                   typename E::Storage* __restrict__ out) {
-  CombineRecvHalf<E>(ch, BlockEpoch(ch, kCombineRecv), expert_ids, slot_pos, weights, out);
+  CombineRecvHalf<E>(ch, CallStart(ch, kCombineRecv, -1).first, expert_ids, slot_pos, weights,
+                     out);
 }
 
 // Combine send and receive in one kernel when the grid fits on the GPU at once.
@@ -776,10 +805,9 @@ FusedCombineKernel(ChannelView ch, const uint8_t* __restrict__ y,
                    const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
                    typename E::Storage* __restrict__ out) {
   __shared__ RecvTables tb;
-  const u64 send_epoch = BlockEpoch(ch, kCombineSend);
-  const u64 recv_epoch = BlockEpoch(ch, kCombineRecv);
-  CombineSendHalf(ch, send_epoch, tb, y, all_counts);
-  CombineRecvHalf<E>(ch, recv_epoch, expert_ids, slot_pos, weights, out);
+  const CallState call = CallStart(ch, kCombineSend, kCombineRecv);
+  CombineSendHalf(ch, call, tb, y, all_counts);
+  CombineRecvHalf<E>(ch, call.second, expert_ids, slot_pos, weights, out);
 }
 
 int Blocks(int64_t units, int per_block) {
@@ -792,7 +820,7 @@ size_t PlanSmemBytes(const ChannelShape& s) {
 }
 
 size_t FusedDispatchSmemBytes(const ChannelShape& s) {
-  return PlanSmemBytes(s) + static_cast<size_t>(s.Slots() + s.tokens * s.num_ranks) * 4;
+  return PlanSmemBytes(s) + static_cast<size_t>(s.Slots()) * 4;
 }
 
 // What the launch configuration depends on: the current device's SM count

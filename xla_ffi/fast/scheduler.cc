@@ -26,43 +26,19 @@ inline T* GrowTo(std::vector<T>* v, size_t need) {
   return v->data();
 }
 
-}  // namespace
-
-// Lane summary for per-GPU schedules: the first min(have, want) units
-// (the ones the lane keeps) as filler pieces (flow_dst -1) around the kept
-// part of the piece in column `target` (if >= 0), then the pieces of the
-// excess the lane gives away, exactly as the full queue holds them.  Filler
-// is never emitted; the given pieces and the target piece sit at the same
-// unit offsets as in the full queue, so every row built from them is the
-// same.  Returns the slot after the last piece written.
-FastScheduler::Piece* FastScheduler::PutSummary(
-    const int64_t* tile, int m, int32_t flow_src, int32_t dst0, int64_t have,
-    int64_t want, int target, Piece* at) {
-  const int64_t keep = std::min(have, want);
-  auto put = [&](int32_t dst, int64_t amount) {
-    if (amount > 0) *at++ = {flow_src, dst, amount};
-  };
-  if (target < 0) {
-    put(-1, keep);
-  } else {
-    int64_t off = 0;  // units before the target piece
-    for (int h = 0; h < target; ++h) off += tile[h];
-    off = std::min(off, keep);
-    const int64_t kept_target = std::min(tile[target], keep - off);
-    put(-1, off);
-    put(dst0 + target, kept_target);
-    put(-1, keep - off - kept_target);
+// sums[i]: the sum of the M entries at tile + i * stride, for i < M.
+template <int M>
+inline void RowSums(const int64_t* __restrict tile, int64_t stride,
+                    int64_t* __restrict sums) {
+  for (int i = 0; i < M; ++i) {
+    const int64_t* row = tile + i * stride;
+    int64_t sum = 0;
+    for (int h = 0; h < M; ++h) sum += row[h];
+    sums[i] = sum;
   }
-  if (have > want) {  // the excess: the tail pieces, the first one cut
-    const int64_t excess = have - want;
-    int h = m - 1;
-    int64_t tail = tile[h];
-    while (tail < excess) tail += tile[--h];
-    put(dst0 + h, tile[h] - (tail - excess));
-    for (++h; h < m; ++h) put(dst0 + h, tile[h]);
-  }
-  return at;
 }
+
+}  // namespace
 
 // D[a, b]: sum of the a -> b tile, zero diagonal.  The M rows of server a
 // are added elementwise (vectorises), then each tile's M columns.  Returns
@@ -157,6 +133,7 @@ void FastScheduler::Rematch(int row, int col, int64_t cum) {
 // (rows dequeued in order, columns scanned in increasing order); flips it.
 // Columns are scanned through the support bitsets: support_ & ~seen_.
 bool FastScheduler::Augment(int u, int64_t cum) {
+  if (words_ == 1) return AugmentOneWord(u, cum);
   const int words = words_;
   uint64_t* seen = seen_.data();
   std::memset(seen, 0, sizeof(uint64_t) * words);
@@ -173,19 +150,52 @@ bool FastScheduler::Augment(int u, int64_t cum) {
         bits &= bits - 1;
         prev_[v] = r;
         if (match_col_[v] < 0) {
-          for (int c = v;;) {
-            const int pr = prev_[c];
-            const int old = match_row_[pr];
-            Rematch(pr, c, cum);
-            if (pr == u) return true;
-            c = old;
-          }
+          FlipPath(u, v, cum);
+          return true;
         }
         queue_[tail++] = match_col_[v];
       }
     }
   }
   return false;
+}
+
+// Augment for n <= 64: the columns reached are one word.
+bool FastScheduler::AugmentOneWord(int u, int64_t cum) {
+  const uint64_t* support = support_.data();
+  const int* match_col = match_col_.data();
+  int* queue = queue_.data();
+  int* prev = prev_.data();
+  uint64_t seen = 0;
+  int head = 0, tail = 0;
+  queue[tail++] = u;
+  while (head < tail) {
+    const int r = queue[head++];
+    uint64_t bits = support[r] & ~seen;
+    seen |= bits;
+    while (bits != 0) {
+      const int v = __builtin_ctzll(bits);
+      bits &= bits - 1;
+      prev[v] = r;
+      if (match_col[v] < 0) {
+        FlipPath(u, v, cum);
+        return true;
+      }
+      queue[tail++] = match_col[v];
+    }
+  }
+  return false;
+}
+
+// Flips the augmenting path from free row u that ends at free column v.
+void FastScheduler::FlipPath(int u, int v, int64_t cum) {
+  for (int c = v;;) {
+    const int pr = prev_[c];
+    const int old = match_row_[pr];
+    Rematch(pr, c, cum);
+    if (pr == u) return;
+    c = old;
+  }
 }
 
 // Integer Birkhoff-von Neumann decomposition of out->padded into
@@ -283,35 +293,45 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
   return {};
 }
 
+// have_[i]: GPU i's units of pair (a, b) (its row of the tile at tile0);
+// want_[l]: units u < big with (u + a + b) % m == l, the lane's share.
+void FastScheduler::LaneShares(const int64_t* tile0, int a, int b,
+                               int64_t big) {
+  const int m = m_;
+  const int64_t g = static_cast<int64_t>(n_) * m;
+  if (m == 8) {
+    RowSums<8>(tile0, g, have_.data());
+  } else {
+    for (int i = 0; i < m; ++i) {
+      const int64_t* tile = tile0 + i * g;
+      int64_t sum = 0;
+      for (int h = 0; h < m; ++h) sum += tile[h];
+      have_[i] = sum;
+    }
+  }
+  const int off = (a + b) % m;
+  const int64_t q = big / m;
+  const int rem = static_cast<int>(big % m);
+  for (int l = 0; l < m; ++l) {
+    int d = l - off;
+    if (d < 0) d += m;
+    want_[l] = q + (d < rem ? 1 : 0);
+  }
+}
+
 // Balancing of server pair (a, b), D[a, b] = big: GPU i's pieces for server
 // b in tile order; givers (more than their share) hand their tail pieces to
 // receivers, both in increasing lane order.  Writes the pair's lane queues
 // into pool_ (own pieces kept, then the received ones; receivers' lanes
 // after the others, so their received pieces append in place) and its
-// balancing rows to `rows` (only those gpu_ sends or receives when
-// gpu_ >= 0).
+// balancing rows to `rows`.
 void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
                                 int64_t big, RowBuffer* rows) {
   const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
   const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
                          static_cast<int64_t>(b) * m;
-  for (int i = 0; i < m; ++i) {
-    const int64_t* tile = tile0 + i * g;
-    int64_t sum = 0;
-    for (int h = 0; h < m; ++h) sum += tile[h];
-    have_[i] = sum;
-  }
-  {  // want_[l] = units u < big with (u + a + b) % m == l.
-    const int off = (a + b) % m;
-    const int64_t q = big / m;
-    const int rem = static_cast<int>(big % m);
-    for (int l = 0; l < m; ++l) {
-      int d = l - off;
-      if (d < 0) d += m;
-      want_[l] = q + (d < rem ? 1 : 0);
-    }
-  }
+  LaneShares(tile0, a, b, big);
   const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
   // Room for every own piece, each again when moved, and one split piece
   // per move (< 2m moves).
@@ -319,29 +339,18 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
       GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
   const int64_t start = pool_used_;
   int64_t at = start;
-  // With gpu_ >= 0, lanes other than gpu_'s keep only what gpu_'s rows
-  // need: the pieces they give away and, on pairs into gpu_'s server, the
-  // position of the flow into gpu_.
-  const int own_lane = gpu_ >= 0 ? static_cast<int>(gpu_ % m) : -1;
-  const int target = gpu_ >= 0 && b == gpu_ / m ? own_lane : -1;
   auto put_own = [&](int i) {  // lane i's own pieces at the pool's end
     const int64_t* tile = tile0 + i * g;
     const int32_t s = static_cast<int32_t>(static_cast<int64_t>(a) * m + i);
     qbeg_[lane0 + i] = at;
-    if (own_lane < 0 || i == own_lane) {
-      for (int h = 0; h < m; ++h) {
-        if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
-      }
-    } else {
-      at = PutSummary(tile, m, s, b * m, have_[i], want_[i], target,
-                      pool + at) - pool;
+    for (int h = 0; h < m; ++h) {
+      if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
     }
     kept_[i] = static_cast<int>(at - qbeg_[lane0 + i]);
   };
   for (int i = 0; i < m; ++i) {
     if (have_[i] >= want_[i]) put_own(i);
   }
-  const int64_t only = gpu_;
   int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
                              kTransferCols);
   int j = -1;
@@ -362,14 +371,13 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
       excess -= x;
       deficit -= x;
       const int64_t dst = static_cast<int64_t>(a) * m + j;
-      const bool keep_rows = only < 0 || src == only || dst == only;
       while (x > 0) {
         Piece& p = q[kept - 1];
         const int64_t y = std::min(x, p.amount);
         p.amount -= y;
         x -= y;
         pool[at++] = {p.flow_src, p.flow_dst, y};
-        if (keep_rows) w = PutRow(w, 0, src, dst, y, p.flow_src, p.flow_dst);
+        w = PutRow(w, 0, src, dst, y, p.flow_src, p.flow_dst);
         kept -= p.amount == 0;
       }
     }
@@ -378,6 +386,108 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
   // Receivers not reached: none (shares add up to the pair's units).
   pool_used_ = at;
   pair_size_[static_cast<size_t>(a) * n + b] = at - start;
+}
+
+// Balancing of a pair of gpu_'s server for gpu_ alone (same rows and, for
+// gpu_'s lane, the same queue as BalancePair).  The givers' tails, taken in
+// giver order and each from its last piece on, form one stream that the
+// receivers split in lane order; it is walked once, without building the
+// other lanes' queues.  Rows: the balancing rows gpu_ sends or receives
+// (pairs from gpu_'s server).  Lane queue: gpu_'s lane only.  On pairs into
+// gpu_'s server, the other lanes keep only the positions of their units for
+// gpu_ (targets_), which the scale-out forwards to it.
+void FastScheduler::BalancePairForGpu(const int64_t* traffic, int a, int b,
+                                      int64_t big, RowBuffer* rows) {
+  const int n = n_, m = m_;
+  const int64_t g = static_cast<int64_t>(n) * m;
+  const int gs = static_cast<int>(gpu_ / m), gl = static_cast<int>(gpu_ % m);
+  const bool into = b == gs;
+  const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
+                         static_cast<int64_t>(b) * m;
+  LaneShares(tile0, a, b, big);
+  const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
+  Piece* pool =
+      GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
+  const int64_t start = pool_used_;
+  int64_t at = PutKeptPieces(tile0 + gl * g, a * m + gl, b * m,
+                             std::min(have_[gl], want_[gl]), pool + start) -
+               pool;
+  if (into) FirstTargets(tile0, a);
+  Target* targets = targets_.data() + static_cast<size_t>(a) * m * m;
+  int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
+                             kTransferCols);
+  int j = -1;
+  int64_t deficit = 0;  // of receiver j
+  int64_t pos = 0;      // units in receiver j's lane
+  for (int i = 0; i < m; ++i) {
+    int64_t excess = have_[i] - want_[i];
+    const int64_t* tile = tile0 + i * g;
+    const int32_t src = a * m + i;
+    for (int h = m - 1; excess > 0; --h) {
+      int64_t piece = std::min(tile[h], excess);
+      excess -= piece;
+      const int32_t flow_dst = b * m + h;
+      while (piece > 0) {
+        if (deficit == 0) {
+          do ++j; while (have_[j] >= want_[j]);
+          deficit = want_[j] - have_[j];
+          pos = have_[j];
+        }
+        const int64_t y = std::min(piece, deficit);
+        piece -= y;
+        deficit -= y;
+        if (!into && (i == gl || j == gl)) {
+          w = PutRow(w, 0, src, a * m + j, y, src, flow_dst);
+        }
+        if (j == gl) {
+          pool[at++] = {src, flow_dst, y};
+        } else if (into && h == gl) {
+          targets[j * m + target_count_[a * m + j]++] = {pos, pos + y, src};
+        }
+        pos += y;
+      }
+    }
+  }
+  rows->Commit(w);
+  qbeg_[lane0 + gl] = start;
+  pool_used_ = at;
+  pair_size_[static_cast<size_t>(a) * n + b] = at - start;
+}
+
+// Writes the pieces of a lane's own row (flows flow_src -> dst0 + h) that
+// it keeps, the first `keep` units; returns the slot after them.
+FastScheduler::Piece* FastScheduler::PutKeptPieces(const int64_t* tile,
+                                                   int32_t flow_src,
+                                                   int32_t dst0, int64_t keep,
+                                                   Piece* at) {
+  for (int h = 0; h < m_ && keep > 0; ++h) {
+    const int64_t y = std::min(tile[h], keep);
+    if (y > 0) *at++ = {flow_src, dst0 + h, y};
+    keep -= y;
+  }
+  return at;
+}
+
+// Targets of pair (a, gpu_'s server) before balancing: each lane but
+// gpu_'s keeps the first min(have, want) units of its row, among them
+// (part of) its flow to gpu_.
+void FastScheduler::FirstTargets(const int64_t* tile0, int a) {
+  const int m = m_;
+  const int64_t g = static_cast<int64_t>(n_) * m;
+  const int gl = static_cast<int>(gpu_ % m);
+  Target* targets = targets_.data() + static_cast<size_t>(a) * m * m;
+  for (int l = 0; l < m; ++l) {
+    const int64_t* tile = tile0 + l * g;
+    const int64_t keep = std::min(have_[l], want_[l]);
+    int64_t off = 0;
+    for (int h = 0; h < gl; ++h) off += tile[h];
+    const int64_t y = std::min(tile[gl], keep - off);
+    const bool has = l != gl && y > 0;
+    targets[l * m] = {off, off + y, a * m + l};
+    target_count_[a * m + l] = has;
+    target_next_[a * m + l] = 0;
+    target_done_[a * m + l] = 0;
+  }
 }
 
 // Intra-server part: T[s, h] for h != s on the same server (only gpu_'s
@@ -401,76 +511,104 @@ void FastScheduler::BuildIntra(const int64_t* traffic, RowBuffer* rows) {
   rows->Commit(w);
 }
 
-// Scale-out of x real units of pair (a, b) in BvN stage k, lanes
-// [l_begin, l_end): unit u of the pair goes through lane (u + a + b) % m,
-// so every lane sends x / m units and the x % m lanes from the first unit's
-// lane on one more.  Each piece (part) sent is a scale-out row; a piece not
-// for the receiving peer is also a redistribution row.  Rows advance *tr
-// and *red; with gpu_ >= 0 only rows gpu_ sends or receives are kept.
-void FastScheduler::ScaleOutPair(int k, int a, int b, int64_t x, int l_begin,
-                                 int l_end, int64_t** tr, int64_t** red) {
-  const int n = n_, m = m_;
-  const int64_t stage = 2 + 2 * static_cast<int64_t>(k);
-  const int64_t only = gpu_;
-  int64_t& sent = sent_[static_cast<size_t>(a) * n + b];
-  const int64_t q = x / m;
-  const int rem = static_cast<int>(x % m);
-  const int first_lane = static_cast<int>((sent + a + b) % m);
+// Scale-out of x real units of pair (a, b) in BvN stage k: unit u of the
+// pair goes through lane (u + a + b) % m, so every lane sends x / m units
+// and the x % m lanes from the first unit's lane on one more.  Advances the
+// pair's units sent.
+FastScheduler::StageShare FastScheduler::TakeShare(int a, int b, int64_t x) {
+  int64_t& sent = sent_[static_cast<size_t>(a) * n_ + b];
+  const StageShare share{x / m_, static_cast<int>(x % m_),
+                         static_cast<int>((sent + a + b) % m_)};
   sent += x;
-  const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
+  return share;
+}
+
+int64_t FastScheduler::StageShare::Units(int lane, int m) const {
+  int d = lane - first_lane;
+  if (d < 0) d += m;
+  return q + (d < rem ? 1 : 0);
+}
+
+// Lane `lane` (a queue in pool_) sends its next c units from src to dst in
+// BvN stage k: a scale-out row per piece (part) at w; with kRedistribute,
+// its redistribution row (dst to the flow's destination) at r unless the
+// flow is for dst.  Advances w and r.
+template <bool kRedistribute>
+inline void FastScheduler::WalkLane(size_t lane, int64_t c, int k,
+                                    int64_t src, int64_t dst, int64_t*& w,
+                                    int64_t*& r) {
+  const int64_t stage = 2 + 2 * static_cast<int64_t>(k);
   Piece* pool = pool_.data();
+  int64_t h = qbeg_[lane];
+  while (c > 0) {
+    Piece& p = pool[h];
+    const int64_t y = std::min(c, p.amount);
+    w = PutRow(w, stage, src, dst, y, p.flow_src, p.flow_dst);
+    if (kRedistribute) {
+      PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
+      r += p.flow_dst != dst ? kTransferCols : 0;
+    }
+    c -= y;
+    p.amount -= y;
+    h += p.amount == 0;
+  }
+  qbeg_[lane] = h;
+}
+
+// Scale-out and redistribution rows of pair (a, b) in BvN stage k, every
+// lane.
+void FastScheduler::ScaleOutPair(int k, int a, int b, int64_t x,
+                                 int64_t** tr, int64_t** red) {
+  const int m = m_;
+  const StageShare share = TakeShare(a, b, x);
+  const size_t lane0 = (static_cast<size_t>(a) * n_ + b) * m;
   int64_t* w = *tr;
   int64_t* r = *red;
-  for (int l = l_begin; l < l_end; ++l) {
-    int d = l - first_lane;
-    if (d < 0) d += m;
-    int64_t c = q + (d < rem ? 1 : 0);
-    int64_t h = qbeg_[lane0 + l];
-    const int64_t src = static_cast<int64_t>(a) * m + l;
-    const int64_t dst = static_cast<int64_t>(b) * m + l;
-    if (only < 0) {
-      while (c > 0) {
-        Piece& p = pool[h];
-        const int64_t y = std::min(c, p.amount);
-        w = PutRow(w, stage, src, dst, y, p.flow_src, p.flow_dst);
-        PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
-        r += p.flow_dst != dst ? kTransferCols : 0;
-        c -= y;
-        p.amount -= y;
-        h += p.amount == 0;
-      }
-    } else if (src != only && dst != only) {
-      // Another lane of a pair of gpu_'s server: only the redistribution
-      // rows into gpu_ (written always, kept by a pointer bump).
-      while (c > 0) {
-        Piece& p = pool[h];
-        const int64_t y = std::min(c, p.amount);
-        PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
-        r += p.flow_dst == only ? kTransferCols : 0;
-        c -= y;
-        p.amount -= y;
-        h += p.amount == 0;
-      }
-    } else {
-      // gpu_'s own lane or its peer's: every scale-out row; the
-      // redistribution rows gpu_ forwards (it is the peer) or receives.
-      const bool peer = dst == only;
-      while (c > 0) {
-        Piece& p = pool[h];
-        const int64_t y = std::min(c, p.amount);
-        w = PutRow(w, stage, src, dst, y, p.flow_src, p.flow_dst);
-        PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
-        const bool keep_red = peer ? p.flow_dst != dst : p.flow_dst == only;
-        r += keep_red ? kTransferCols : 0;
-        c -= y;
-        p.amount -= y;
-        h += p.amount == 0;
-      }
-    }
-    qbeg_[lane0 + l] = h;
+  for (int l = 0; l < m; ++l) {
+    WalkLane<true>(lane0 + l, share.Units(l, m), k,
+                   static_cast<int64_t>(a) * m + l,
+                   static_cast<int64_t>(b) * m + l, w, r);
   }
   *tr = w;
   *red = r;
+}
+
+// Scale-out of pair (a, gpu_'s server) in BvN stage k for gpu_: its peer
+// lane's rows (gpu_ receives them and forwards what is not its own), and,
+// lane by lane, the redistribution rows that bring the other lanes' units
+// for gpu_ (targets_) to it.
+void FastScheduler::ScaleOutIntoGpu(int k, int a, int64_t x, int64_t** tr,
+                                    int64_t** red) {
+  const int m = m_;
+  const int gs = static_cast<int>(gpu_ / m), gl = static_cast<int>(gpu_ % m);
+  const StageShare share = TakeShare(a, gs, x);
+  const size_t lane0 = (static_cast<size_t>(a) * n_ + gs) * m;
+  const int64_t stage = 2 + 2 * static_cast<int64_t>(k);
+  const Target* targets = targets_.data() + static_cast<size_t>(a) * m * m;
+  for (int l = 0; l < m; ++l) {
+    const int64_t c = share.Units(l, m);
+    if (l == gl) {
+      WalkLane<true>(lane0 + l, c, k, static_cast<int64_t>(a) * m + l, gpu_,
+                     *tr, *red);
+      continue;
+    }
+    const int lane = a * m + l;
+    int t = target_next_[lane];
+    const int count = target_count_[lane];
+    if (t == count) continue;
+    const int64_t begin = target_done_[lane], end = begin + c;
+    target_done_[lane] = end;
+    const int64_t peer = static_cast<int64_t>(gs) * m + l;
+    int64_t* r = *red;
+    for (; t < count && targets[l * m + t].begin < end; ++t) {
+      const Target& u = targets[l * m + t];
+      const int64_t y = std::min(u.end, end) - std::max(u.begin, begin);
+      if (y > 0) r = PutRow(r, stage + 1, peer, gpu_, y, u.flow_src, gpu_);
+      if (u.end > end) break;
+    }
+    *red = r;
+    target_next_[lane] = t;
+  }
 }
 
 // Scale-out and redistribution rows of BvN stage k (all pairs, or the two
@@ -481,10 +619,12 @@ void FastScheduler::EmitStageRows(int k, FastSchedule* out) {
   const int64_t* real = out->real.data() + static_cast<size_t>(k) * n;
   RowBuffer& tr = out->transfers;
   RowBuffer& red = out->redistribution;
-  // A pair's rows: at most one per piece it finishes plus one per lane.
+  // A pair's rows: at most one per piece it finishes plus one per lane,
+  // and, into gpu_, one per target.
   auto reserve = [&](int a, int b, int64_t** w, int64_t** r) {
     const size_t most =
-        (pair_size_[static_cast<size_t>(a) * n + b] + m) * kTransferCols;
+        (pair_size_[static_cast<size_t>(a) * n + b] + m * m + m) *
+        kTransferCols;
     *w = tr.Reserve(most);
     *r = red.Reserve(most);
   };
@@ -493,20 +633,21 @@ void FastScheduler::EmitStageRows(int k, FastSchedule* out) {
     const int gs = static_cast<int>(gpu_ / m), gl = static_cast<int>(gpu_ % m);
     const int b = static_cast<int>(match[gs]);
     const int a = inverse_[static_cast<size_t>(k) * n + gs];
-    // Receiving pair (a, gs): every lane may forward to gpu_.
     auto receive = [&] {
       if (a == gs || real[a] == 0) return;
       reserve(a, gs, &w, &r);
-      ScaleOutPair(k, a, gs, real[a], 0, m, &w, &r);
+      ScaleOutIntoGpu(k, a, real[a], &w, &r);
       tr.Commit(w);
       red.Commit(r);
     };
     if (a < gs) receive();
     if (b != gs && real[gs] > 0) {  // sending pair: gpu_'s lane only
       reserve(gs, b, &w, &r);
-      ScaleOutPair(k, gs, b, real[gs], gl, gl + 1, &w, &r);
+      const StageShare share = TakeShare(gs, b, real[gs]);
+      WalkLane<false>((static_cast<size_t>(gs) * n + b) * m + gl,
+                      share.Units(gl, m), k, gpu_,
+                      static_cast<int64_t>(b) * m + gl, w, r);
       tr.Commit(w);
-      red.Commit(r);
     }
     if (a > gs) receive();
     return;
@@ -526,7 +667,7 @@ void FastScheduler::EmitStageRows(int k, FastSchedule* out) {
     const int b = static_cast<int>(match[a]);
     if (real[a] == 0 || a == b) continue;
     reserve(a, b, &w, &r);
-    ScaleOutPair(k, a, b, real[a], 0, m, &w, &r);
+    ScaleOutPair(k, a, b, real[a], &w, &r);
     tr.Commit(w);
     red.Commit(r);
   }
@@ -544,13 +685,24 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   kept_.resize(m);
   have_.resize(m);
   want_.resize(m);
+  if (gs >= 0) {
+    const size_t lanes = static_cast<size_t>(n) * m;
+    targets_.resize(lanes * m);
+    target_count_.resize(lanes);
+    target_next_.resize(lanes);
+    target_done_.resize(lanes);
+  }
 
   // 1. Balancing and lane queues.
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
       if (a == b || (gs >= 0 && a != gs && b != gs)) continue;
-      BalancePair(traffic, a, b, out->server[static_cast<size_t>(a) * n + b],
-                  &out->transfers);
+      const int64_t big = out->server[static_cast<size_t>(a) * n + b];
+      if (gs >= 0) {
+        BalancePairForGpu(traffic, a, b, big, &out->transfers);
+      } else {
+        BalancePair(traffic, a, b, big, &out->transfers);
+      }
     }
   }
   // 4. Intra-server part.

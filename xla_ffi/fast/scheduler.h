@@ -124,21 +124,45 @@ class FastScheduler {
     int32_t flow_dst;
     int64_t amount;
   };
+  // Units [begin, end) of a lane's queue that belong to the flow from
+  // flow_src to gpu_ (per-GPU schedules).
+  struct Target {
+    int64_t begin;
+    int64_t end;
+    int32_t flow_src;
+  };
+  // Units per lane of one pair in one BvN stage.
+  struct StageShare {
+    int64_t q;
+    int rem;
+    int first_lane;
+    int64_t Units(int lane, int m) const;
+  };
   int64_t ServerMatrix(const int64_t* traffic, FastSchedule* out);
   void Pad(FastSchedule* out);
   bool Augment(int u, int64_t cum);
+  bool AugmentOneWord(int u, int64_t cum);
+  void FlipPath(int u, int v, int64_t cum);
   void Rematch(int row, int col, int64_t cum);
   bool Decompose(FastSchedule* out);
   void EmitStageRows(int k, FastSchedule* out);
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
-  static Piece* PutSummary(const int64_t* tile, int m, int32_t flow_src,
-                           int32_t dst0, int64_t have, int64_t want,
-                           int target, Piece* at);
+  void LaneShares(const int64_t* tile0, int a, int b, int64_t big);
   void BalancePair(const int64_t* traffic, int a, int b, int64_t big,
                    RowBuffer* rows);
+  void BalancePairForGpu(const int64_t* traffic, int a, int b, int64_t big,
+                         RowBuffer* rows);
+  Piece* PutKeptPieces(const int64_t* tile, int32_t flow_src, int32_t dst0,
+                       int64_t keep, Piece* at);
+  void FirstTargets(const int64_t* tile0, int a);
   void BuildIntra(const int64_t* traffic, RowBuffer* rows);
-  void ScaleOutPair(int k, int a, int b, int64_t x, int l_begin, int l_end,
-                    int64_t** tr, int64_t** red);
+  StageShare TakeShare(int a, int b, int64_t x);
+  template <bool kRedistribute>
+  void WalkLane(size_t lane, int64_t c, int k, int64_t src, int64_t dst,
+                int64_t*& w, int64_t*& r);
+  void ScaleOutPair(int k, int a, int b, int64_t x, int64_t** tr,
+                    int64_t** red);
+  void ScaleOutIntoGpu(int k, int a, int64_t x, int64_t** tr, int64_t** red);
 
   int n_ = 0;
   int m_ = 0;
@@ -160,6 +184,12 @@ class FastScheduler {
   std::vector<int64_t> qbeg_;       // [n * n * M] head of each lane
   std::vector<int64_t> pair_size_;  // [n * n] pieces of the pair's lanes
   std::vector<int> kept_;           // [M] own pieces a lane still holds
+  // Per-GPU schedules, lane (a, l) of pair (a, gpu_'s server): its targets
+  // at targets_[(a * M + l) * M ..] (target_count_ of them), the next one
+  // to forward and the units the lane has sent.
+  std::vector<Target> targets_;
+  std::vector<int> target_count_, target_next_;
+  std::vector<int64_t> target_done_;
   std::vector<int64_t> have_, want_, rowacc_;
   std::vector<int64_t> remaining_, sent_;
 };

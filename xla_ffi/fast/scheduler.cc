@@ -391,11 +391,12 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
 // Balancing of a pair of gpu_'s server for gpu_ alone (same rows and, for
 // gpu_'s lane, the same queue as BalancePair).  The givers' tails, taken in
 // giver order and each from its last piece on, form one stream that the
-// receivers split in lane order; it is walked once, without building the
-// other lanes' queues.  Rows: the balancing rows gpu_ sends or receives
-// (pairs from gpu_'s server).  Lane queue: gpu_'s lane only.  On pairs into
-// gpu_'s server, the other lanes keep only the positions of their units for
-// gpu_ (targets_), which the scale-out forwards to it.
+// receivers split in lane order; positions in it follow from the lanes'
+// excesses and deficits, so only the parts gpu_ needs are walked.  Rows:
+// the balancing rows gpu_ sends or receives (pairs from gpu_'s server).
+// Lane queue: gpu_'s lane only.  On pairs into gpu_'s server, the other
+// lanes keep only the positions of their units for gpu_ (targets_), which
+// the scale-out forwards to it.
 void FastScheduler::BalancePairForGpu(const int64_t* traffic, int a, int b,
                                       int64_t big, RowBuffer* rows) {
   const int n = n_, m = m_;
@@ -409,49 +410,127 @@ void FastScheduler::BalancePairForGpu(const int64_t* traffic, int a, int b,
   Piece* pool =
       GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
   const int64_t start = pool_used_;
-  int64_t at = PutKeptPieces(tile0 + gl * g, a * m + gl, b * m,
-                             std::min(have_[gl], want_[gl]), pool + start) -
-               pool;
-  if (into) FirstTargets(tile0, a);
-  Target* targets = targets_.data() + static_cast<size_t>(a) * m * m;
+  Piece* at = PutKeptPieces(tile0 + gl * g, a * m + gl, b * m,
+                            std::min(have_[gl], want_[gl]), pool + start);
   int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
                              kTransferCols);
-  int j = -1;
-  int64_t deficit = 0;  // of receiver j
-  int64_t pos = 0;      // units in receiver j's lane
-  for (int i = 0; i < m; ++i) {
-    int64_t excess = have_[i] - want_[i];
-    const int64_t* tile = tile0 + i * g;
-    const int32_t src = a * m + i;
-    for (int h = m - 1; excess > 0; --h) {
-      int64_t piece = std::min(tile[h], excess);
-      excess -= piece;
-      const int32_t flow_dst = b * m + h;
-      while (piece > 0) {
-        if (deficit == 0) {
-          do ++j; while (have_[j] >= want_[j]);
-          deficit = want_[j] - have_[j];
-          pos = have_[j];
-        }
-        const int64_t y = std::min(piece, deficit);
-        piece -= y;
-        deficit -= y;
-        if (!into && (i == gl || j == gl)) {
-          w = PutRow(w, 0, src, a * m + j, y, src, flow_dst);
-        }
-        if (j == gl) {
-          pool[at++] = {src, flow_dst, y};
-        } else if (into && h == gl) {
-          targets[j * m + target_count_[a * m + j]++] = {pos, pos + y, src};
-        }
-        pos += y;
-      }
-    }
+  const StreamPair pair{tile0, g, a, b};
+  if (have_[gl] < want_[gl]) {
+    at = ReceiveSegment(pair, !into, &w, at);
+  } else if (have_[gl] > want_[gl] && !into) {
+    w = GiveTail(pair, w);
   }
   rows->Commit(w);
+  if (into) {
+    FirstTargets(tile0, a);
+    StreamTargets(pair);
+  }
   qbeg_[lane0 + gl] = start;
-  pool_used_ = at;
-  pair_size_[static_cast<size_t>(a) * n + b] = at - start;
+  pool_used_ = at - pool;
+  pair_size_[static_cast<size_t>(a) * n + b] = pool_used_ - start;
+}
+
+// Lane gpu_lane_ is a receiver: its segment of the stream, as pieces of
+// its queue at `at` and, with `with_rows`, as balancing rows into gpu_.
+FastScheduler::Piece* FastScheduler::ReceiveSegment(const StreamPair& p,
+                                                    bool with_rows,
+                                                    int64_t** w, Piece* at) {
+  const int m = m_;
+  const int gl = static_cast<int>(gpu_ % m);
+  int64_t skip = 0;  // stream units before the segment
+  for (int j = 0; j < gl; ++j) skip += std::max<int64_t>(want_[j] - have_[j], 0);
+  int64_t need = want_[gl] - have_[gl];
+  int64_t* row = *w;
+  for (int i = 0; i < m && need > 0; ++i) {
+    const int64_t excess = have_[i] - want_[i];
+    if (excess <= 0) continue;
+    if (skip >= excess) {
+      skip -= excess;
+      continue;
+    }
+    const int64_t* tile = p.tile0 + i * p.g;
+    const int32_t src = p.a * m + i;
+    int64_t left = excess;  // giver i's tail units from column h down
+    for (int h = m - 1; left > 0 && need > 0; --h) {
+      int64_t piece = std::min(tile[h], left);
+      left -= piece;
+      if (skip >= piece) {
+        skip -= piece;
+        continue;
+      }
+      piece -= skip;
+      skip = 0;
+      const int64_t y = std::min(piece, need);
+      need -= y;
+      const int32_t flow_dst = p.b * m + h;
+      if (with_rows) row = PutRow(row, 0, src, gpu_, y, src, flow_dst);
+      *at++ = {src, flow_dst, y};
+    }
+  }
+  *w = row;
+  return at;
+}
+
+// Lane gpu_lane_ is a giver: the balancing rows of its tail to the
+// receivers whose segments it fills.
+int64_t* FastScheduler::GiveTail(const StreamPair& p, int64_t* w) {
+  const int m = m_;
+  const int gl = static_cast<int>(gpu_ % m);
+  int64_t pos = 0;  // stream position of gpu_'s tail
+  for (int i = 0; i < gl; ++i) pos += std::max<int64_t>(have_[i] - want_[i], 0);
+  int j = -1;
+  int64_t seg_end = 0;  // end of receiver j's segment
+  const int64_t* tile = p.tile0 + gl * p.g;
+  int64_t left = have_[gl] - want_[gl];
+  for (int h = m - 1; left > 0; --h) {
+    int64_t piece = std::min(tile[h], left);
+    left -= piece;
+    while (piece > 0) {
+      while (seg_end <= pos) {
+        do ++j; while (have_[j] >= want_[j]);
+        seg_end += want_[j] - have_[j];
+      }
+      const int64_t y = std::min(piece, seg_end - pos);
+      piece -= y;
+      pos += y;
+      w = PutRow(w, 0, gpu_, p.a * m + j, y, gpu_, p.b * m + h);
+    }
+  }
+  return w;
+}
+
+// Targets the other lanes receive: every giver's units for gpu_ that lie
+// in its tail, split over the receivers' segments.
+void FastScheduler::StreamTargets(const StreamPair& p) {
+  const int m = m_;
+  const int gl = static_cast<int>(gpu_ % m);
+  Target* targets = targets_.data() + static_cast<size_t>(p.a) * m * m;
+  int* count = target_count_.data() + static_cast<size_t>(p.a) * m;
+  int64_t pos = 0;  // stream position of giver i's tail
+  int j = -1;
+  int64_t seg_begin = 0, seg_end = 0;  // receiver j's segment
+  for (int i = 0; i < m; ++i) {
+    const int64_t excess = have_[i] - want_[i];
+    if (excess <= 0) continue;
+    const int64_t* tile = p.tile0 + i * p.g;
+    const int64_t after = have_[i] - before_[i] - tile[gl];  // columns > gl
+    int64_t begin = pos + after;
+    const int64_t end = pos + std::min(excess, after + tile[gl]);
+    while (begin < end) {
+      while (seg_end <= begin) {
+        do ++j; while (have_[j] >= want_[j]);
+        seg_begin = seg_end;
+        seg_end += want_[j] - have_[j];
+      }
+      const int64_t stop = std::min(end, seg_end);
+      if (j != gl) {
+        const int64_t base = have_[j] - seg_begin;
+        targets[j * m + count[j]++] = {base + begin, base + stop, p.a * m + i};
+      }
+      begin = stop;
+    }
+    pos += excess;
+  }
 }
 
 // Writes the pieces of a lane's own row (flows flow_src -> dst0 + h) that
@@ -481,6 +560,7 @@ void FastScheduler::FirstTargets(const int64_t* tile0, int a) {
     const int64_t keep = std::min(have_[l], want_[l]);
     int64_t off = 0;
     for (int h = 0; h < gl; ++h) off += tile[h];
+    before_[l] = off;
     const int64_t y = std::min(tile[gl], keep - off);
     const bool has = l != gl && y > 0;
     targets[l * m] = {off, off + y, a * m + l};
@@ -500,12 +580,15 @@ void FastScheduler::BuildIntra(const int64_t* traffic, RowBuffer* rows) {
   const int64_t s1 = only >= 0 ? s0 + m : g;
   int64_t* w = rows->Reserve(static_cast<size_t>(s1 - s0) * m * kTransferCols);
   for (int64_t s = s0; s < s1; ++s) {
+    if (only >= 0 && s != only) {  // only s's flow into gpu_
+      const int64_t x = traffic[s * g + only];
+      if (x > 0) w = PutRow(w, 1, s, only, x, s, only);
+      continue;
+    }
     const int64_t base = (s / m) * m;
     for (int64_t h = base; h < base + m; ++h) {
       const int64_t x = traffic[s * g + h];
-      if (h != s && x > 0 && (only < 0 || s == only || h == only)) {
-        w = PutRow(w, 1, s, h, x, s, h);
-      }
+      if (h != s && x > 0) w = PutRow(w, 1, s, h, x, s, h);
     }
   }
   rows->Commit(w);
@@ -685,6 +768,7 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   kept_.resize(m);
   have_.resize(m);
   want_.resize(m);
+  before_.resize(m);
   if (gs >= 0) {
     const size_t lanes = static_cast<size_t>(n) * m;
     targets_.resize(lanes * m);

@@ -152,6 +152,17 @@ class FastScheduler {
                    RowBuffer* rows);
   void BalancePairForGpu(const int64_t* traffic, int a, int b, int64_t big,
                          RowBuffer* rows);
+  // The tile of a pair being balanced (rows `g` apart).
+  struct StreamPair {
+    const int64_t* tile0;
+    int64_t g;
+    int a;
+    int b;
+  };
+  Piece* ReceiveSegment(const StreamPair& p, bool with_rows, int64_t** w,
+                        Piece* at);
+  int64_t* GiveTail(const StreamPair& p, int64_t* w);
+  void StreamTargets(const StreamPair& p);
   Piece* PutKeptPieces(const int64_t* tile, int32_t flow_src, int32_t dst0,
                        int64_t keep, Piece* at);
   void FirstTargets(const int64_t* tile0, int a);
@@ -191,6 +202,7 @@ class FastScheduler {
   std::vector<int> target_count_, target_next_;
   std::vector<int64_t> target_done_;
   std::vector<int64_t> have_, want_, rowacc_;
+  std::vector<int64_t> before_;     // [M] units of a row before gpu_'s column
   std::vector<int64_t> remaining_, sent_;
 };
 

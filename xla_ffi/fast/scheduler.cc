@@ -623,17 +623,23 @@ inline void FastScheduler::WalkLane(size_t lane, int64_t c, int k,
   const int64_t stage = 2 + 2 * static_cast<int64_t>(k);
   Piece* pool = pool_.data();
   int64_t h = qbeg_[lane];
-  while (c > 0) {
-    Piece& p = pool[h];
-    const int64_t y = std::min(c, p.amount);
+  auto put = [&](const Piece& p, int64_t y) {
     w = PutRow(w, stage, src, dst, y, p.flow_src, p.flow_dst);
     if (kRedistribute) {
       PutRow(r, stage + 1, dst, p.flow_dst, y, p.flow_src, p.flow_dst);
       r += p.flow_dst != dst ? kTransferCols : 0;
     }
-    c -= y;
-    p.amount -= y;
-    h += p.amount == 0;
+  };
+  // Whole pieces while they fit (h does not wait for the amounts), then
+  // part of the next.
+  while (c > 0 && pool[h].amount <= c) {
+    c -= pool[h].amount;
+    put(pool[h], pool[h].amount);
+    ++h;
+  }
+  if (c > 0) {
+    put(pool[h], c);
+    pool[h].amount -= c;
   }
   qbeg_[lane] = h;
 }

@@ -77,16 +77,43 @@ def test_cpp_bad_arguments():
     cpp.spreadout_time(np.zeros((2, 3), np.int64))
 
 
-@given(traffic_cases(), st.integers(0, 63))
-def test_cpp_per_gpu_rows_are_the_full_rows_of_that_gpu(case, pick):
-  t, n, m = case
-  gpu = pick % (n * m)
-  full = cpp.schedule_arrays(t, n, m)
+def _assert_gpu_rows(t, n, m, gpu, full):
   one = cpp.schedule_arrays(t, n, m, gpu=gpu)
   for key in ("transfers", "redistribution"):
     f = full[key]
     np.testing.assert_array_equal(one[key],
                                   f[(f[:, 1] == gpu) | (f[:, 2] == gpu)])
   np.testing.assert_array_equal(one["matchings"], full["matchings"])
+
+
+@given(traffic_cases(), st.integers(0, 63))
+def test_cpp_per_gpu_rows_are_the_full_rows_of_that_gpu(case, pick):
+  t, n, m = case
+  _assert_gpu_rows(t, n, m, pick % (n * m), cpp.schedule_arrays(t, n, m))
   with pytest.raises(ValueError, match="gpu must be"):
     cpp.schedule_arrays(t, n, m, gpu=n * m)
+
+
+def _hot_sender_and_receiver(rng, g):
+  # One GPU sends far more than its share to every server (its tail, with
+  # its flow into every GPU, is split over many receiving lanes) and one
+  # GPU receives far more than the others (its flows lie in many tails).
+  t = rng.integers(0, 5, (g, g))
+  t[rng.integers(g), :] += 500
+  t[:, rng.integers(g)] += 300
+  return t
+
+
+@pytest.mark.parametrize("n, m", [(2, 8), (3, 3), (4, 8), (5, 2), (3, 1)])
+def test_cpp_per_gpu_rows_for_every_gpu(n, m):
+  # The per-GPU schedule locates the GPU's part of each pair's balancing
+  # from sums instead of building every lane: check every GPU, not one.
+  rng = np.random.default_rng(10 * n + m)
+  g = n * m
+  for t in (workloads.uniform_matrix(rng, g, 50),
+            workloads.zipf_matrix(rng, g, 0.9, 200),
+            _hot_sender_and_receiver(rng, g)):
+    t = t.astype(np.int64)
+    full = cpp.schedule_arrays(t, n, m)
+    for gpu in range(g):
+      _assert_gpu_rows(t, n, m, gpu, full)

@@ -41,7 +41,8 @@ inline void RowSums(const int64_t* __restrict tile, int64_t stride,
 }  // namespace
 
 // D[a, b]: sum of the a -> b tile, zero diagonal.  The M rows of server a
-// are added elementwise (vectorises), then each tile's M columns.  Returns
+// are added elementwise, four per pass (vectorises), then each tile's M
+// columns.  Returns
 // the OR of all entries (negative iff one of them is).
 int64_t FastScheduler::ServerMatrix(const int64_t* traffic,
                                     FastSchedule* out) {
@@ -53,27 +54,32 @@ int64_t FastScheduler::ServerMatrix(const int64_t* traffic,
   int64_t any_sign = 0;
   for (int a = 0; a < n; ++a) {
     const int64_t* __restrict row = traffic + static_cast<int64_t>(a) * m * g;
-    for (int64_t h = 0; h < g; ++h) {
-      acc[h] = row[h];
-      any_sign |= row[h];
-    }
-    int i = 1;
+    int i = 0;
     for (; i + 4 <= m; i += 4) {  // four rows per pass over acc
       const int64_t* __restrict r0 = row + i * g;
       const int64_t* __restrict r1 = r0 + g;
       const int64_t* __restrict r2 = r1 + g;
       const int64_t* __restrict r3 = r2 + g;
-      for (int64_t h = 0; h < g; ++h) {
-        acc[h] += (r0[h] + r1[h]) + (r2[h] + r3[h]);
-        any_sign |= (r0[h] | r1[h]) | (r2[h] | r3[h]);
+      if (i == 0) {
+        for (int64_t h = 0; h < g; ++h) {
+          acc[h] = (r0[h] + r1[h]) + (r2[h] + r3[h]);
+          any_sign |= (r0[h] | r1[h]) | (r2[h] | r3[h]);
+        }
+      } else {
+        for (int64_t h = 0; h < g; ++h) {
+          acc[h] += (r0[h] + r1[h]) + (r2[h] + r3[h]);
+          any_sign |= (r0[h] | r1[h]) | (r2[h] | r3[h]);
+        }
       }
     }
     for (; i < m; ++i) {
       const int64_t* __restrict r0 = row + i * g;
-      for (int64_t h = 0; h < g; ++h) {
-        acc[h] += r0[h];
-        any_sign |= r0[h];
+      if (i == 0) {
+        for (int64_t h = 0; h < g; ++h) acc[h] = r0[h];
+      } else {
+        for (int64_t h = 0; h < g; ++h) acc[h] += r0[h];
       }
+      for (int64_t h = 0; h < g; ++h) any_sign |= r0[h];
     }
     int64_t* drow = out->server.data() + static_cast<int64_t>(a) * n;
     for (int b = 0; b < n; ++b) {

@@ -14,9 +14,17 @@
 //   key = residual + weight subtracted so far, so a stage is a minimum over
 //   n contiguous keys, and only the rows it zeroes are touched.  Real units
 //   equal the weight except on padded entries, which alone are tracked.
+//   Below 65 servers the augmenting search keeps its reached columns in
+//   one word.
 // * Lane queues are flat: every lane's pieces lie back to back in one pool.
-// * With gpu >= 0 only the two server pairs of gpu's server in each stage
-//   (the inverse matching is kept per stage) are expanded.
+// * With gpu >= 0 only the server pairs of gpu's server are balanced, and
+//   only the two of them in each stage (the inverse matching is kept per
+//   stage) are expanded.  Their balancing builds gpu's lane queue alone:
+//   the givers' tails form one stream that the receivers split in lane
+//   order, so gpu's segment of it, its own tail's receivers and the other
+//   lanes' units for gpu follow from excess and deficit sums.  The other
+//   lanes of a pair into gpu's server keep only the unit ranges of their
+//   flows to gpu (targets), which their peers forward to gpu.
 // * Rows are written through raw pointers after one capacity check per
 //   server pair.
 //

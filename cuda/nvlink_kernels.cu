@@ -34,6 +34,7 @@ namespace moe_jax::cuda::nvlink {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCopyBlocks = 528;
 // Calls of at most this many tokens run dispatch and combine as one kernel
 // each (when the shared memory allows), every block planning the whole call.
@@ -111,34 +112,49 @@ struct CallState {
 };
 
 // Every block calls this first: thread 0 reads the epochs of `call` and
-// (second >= 0) `second`, and the receive epochs, for the block; then it
-// counts the block on the call's tally, and the last block of the grid to
-// count (every block has read) advances the epochs for the next call on
-// this stream.
-__device__ __forceinline__ CallState CallStart(const ChannelView& ch, int call, int second) {
+// (second >= 0) `second`, and the receive epochs, for the block. A kernel
+// that sends into a parity (reuse_slot0 >= 0) also waits here, thread i for
+// rank i, until every receiver acknowledged the call two before (the ack
+// slots start at reuse_slot0).
+__device__ __forceinline__ CallState CallStart(const ChannelView& ch, int call, int second,
+                                               int64_t reuse_slot0 = -1,
+                                               const char* what = nullptr) {
   __shared__ CallState state;
   const int p = ch.shape.num_ranks;
-  u64* mine = CountersOf(ch, ch.rank);
+  const u64* mine = CountersOf(ch, ch.rank);
   if (threadIdx.x == 0) {
     state.first = LoadVolatile(mine + Counters::Epoch(p, call));
     state.second = second >= 0 ? LoadVolatile(mine + Counters::Epoch(p, second)) : 0;
     state.dispatches_received = LoadVolatile(mine + Counters::Epoch(p, kDispatchRecv));
     state.combines_received = LoadVolatile(mine + Counters::Epoch(p, kCombineRecv));
   }
-  __syncthreads();
-  const CallState read = state;
-  if (threadIdx.x == 0) {
-    u64* tally = mine + Counters::Tally(p, call);
-    u64 before;
-    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(before) : "l"(tally)
-                 : "memory");
-    if (before == gridDim.x - 1) {
-      *tally = 0;
-      mine[Counters::Epoch(p, call)] = read.first + 1;
-      if (second >= 0) mine[Counters::Epoch(p, second)] = read.second + 1;
+  if (reuse_slot0 >= 0 && threadIdx.x < p) {
+    const u64 epoch = LoadVolatile(mine + Counters::Epoch(p, call));
+    if (epoch >= 2) {
+      WaitAtLeast(mine + reuse_slot0 + threadIdx.x, epoch - 1, what, ch.rank, threadIdx.x);
     }
   }
-  return read;
+  __syncthreads();
+  return state;
+}
+
+// Every block calls this once, after CallStart and before anything that
+// could wait long (its latency then hides): thread 0 counts the block on
+// the call's tally, and the last block of the grid to count (every block
+// has read the epochs) advances them for the next call on this stream.
+__device__ __forceinline__ void CountCall(const ChannelView& ch, int call, int second,
+                                          const CallState& read) {
+  if (threadIdx.x != 0) return;
+  const int p = ch.shape.num_ranks;
+  u64* mine = CountersOf(ch, ch.rank);
+  u64* tally = mine + Counters::Tally(p, call);
+  u64 before;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(before) : "l"(tally)
+               : "memory");
+  if (before != gridDim.x - 1) return;
+  *tally = 0;
+  mine[Counters::Epoch(p, call)] = read.first + 1;
+  if (second >= 0) mine[Counters::Epoch(p, second)] = read.second + 1;
 }
 
 // Publishes (the grid's last block, thread i to rank i) how many dispatch
@@ -168,13 +184,6 @@ __device__ __forceinline__ void SignalArrival(const ChannelView& ch, int64_t slo
 __device__ __forceinline__ void WaitArrivals(const ChannelView& ch, int64_t slot0, u64 epoch,
                                              const char* what) {
   WaitForPeers(ch, slot0, (epoch + 1) * kSignalUnit, what);
-}
-
-// Waits until every receiver finished reading the parity of call `epoch`
-// (its call two before), from the ack slots at slot0.
-__device__ __forceinline__ void WaitReusable(const ChannelView& ch, int64_t slot0, u64 epoch,
-                                             const char* what) {
-  if (epoch >= 2) WaitForPeers(ch, slot0, epoch - 1, what);
 }
 
 // Every block of the plan calls this after its stores; returns (to every
@@ -335,7 +344,6 @@ __device__ __forceinline__ void Locate(const RecvTables& tb, int num_ranks, int 
 // vectors before storing any, keeping several transfers in flight. Loads are
 // L2-coherent (sources may be buffers peers wrote).
 constexpr int kUnroll = 4;
-constexpr int kWarps = kThreads / 32;
 constexpr int kChunkVecs = 32 * kUnroll;
 
 __host__ __device__ constexpr int32_t ChunksPerRow(int64_t row_bytes) {
@@ -601,9 +609,9 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
   const int p = s.num_ranks;
   const int32_t* entry_start = ChunkEntryStart(ch);
   const int64_t per_chunk = int64_t{kPlanChunkTokens} * s.top_k;
-  const CallState call = CallStart(ch, kDispatchSend, -1);
+  const CallState call =
+      CallStart(ch, kDispatchSend, -1, Counters::DispatchAck(p, 0), "the dispatch ack");
   const int parity = static_cast<int>(call.first & 1);
-  WaitReusable(ch, Counters::DispatchAck(p, 0), call.first, "the dispatch ack");
   SendRows(ch, parity, rows, expert_ids);
   Acknowledge(ch, call);
   SendIndex(ch, parity, expert_ids, send_counts, [&](int64_t n) {
@@ -614,6 +622,7 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
     return pos;
   });
   SignalArrival(ch, Counters::DispatchArrive(p, 0));
+  CountCall(ch, kDispatchSend, -1, call);
 }
 
 //===----------------------------------------------------------------------===//
@@ -662,8 +671,9 @@ __global__ void __launch_bounds__(kThreads)
 RecvKernel(ChannelView ch, uint8_t* __restrict__ rows, uint8_t* __restrict__ scales,
            int32_t* __restrict__ group_sizes, int32_t* __restrict__ all_counts) {
   __shared__ RecvTables tb;
-  RecvHalf(ch, CallStart(ch, kDispatchRecv, -1).first, tb, rows, scales, group_sizes,
-           all_counts);
+  const CallState call = CallStart(ch, kDispatchRecv, -1);
+  CountCall(ch, kDispatchRecv, -1, call);
+  RecvHalf(ch, call.first, tb, rows, scales, group_sizes, all_counts);
 }
 
 // Plan, send and receive in one kernel for one-chunk calls whose grid fits
@@ -682,9 +692,9 @@ FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
   const ChannelShape& s = ch.shape;
   const int num_experts = static_cast<int>(s.NumExperts());
   const int p = s.num_ranks;
-  const CallState call = CallStart(ch, kDispatchSend, kDispatchRecv);
+  const CallState call = CallStart(ch, kDispatchSend, kDispatchRecv,
+                                   Counters::DispatchAck(p, 0), "the dispatch ack");
   const int parity = static_cast<int>(call.first & 1);
-  WaitReusable(ch, Counters::DispatchAck(p, 0), call.first, "the dispatch ack");
   SendRows(ch, parity, send_rows, expert_ids);
   Acknowledge(ch, call);
   int32_t* entry_rank = AttachPlanScratch(ps, smem, num_experts);  // [T * k]
@@ -700,6 +710,7 @@ FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
   }
   SendIndex(ch, parity, expert_ids, ps.count, position);
   SignalArrival(ch, Counters::DispatchArrive(p, 0));
+  CountCall(ch, kDispatchSend, kDispatchRecv, call);
   RecvHalf(ch, call.second, tb, rows, scales, group_sizes, all_counts);
 }
 
@@ -722,7 +733,6 @@ __device__ void CombineSendHalf(const ChannelView& ch, const CallState& call, Re
   }
   BuildTables(tb, p, num_local);
   BuildRotation(tb, p, num_local, ch.rank);
-  WaitReusable(ch, Counters::CombineAck(p, 0), epoch, "the combine ack");
   const int32_t vecs = static_cast<int32_t>(s.row_bytes / 16);
   CopyRows(tb.expert_offset[num_local], vecs, vecs,
            [&](int32_t u, const uint4** src, uint4** dst, uint4** /*tail*/) {
@@ -744,6 +754,7 @@ __device__ void CombineRecvHalf(const ChannelView& ch, u64 epoch,
                                 typename E::Storage* __restrict__ out) {
   using S = typename E::Storage;
   constexpr int kPer = 16 / sizeof(S);
+  constexpr int kBatch = 4;
   const ChannelShape& s = ch.shape;
   const int p = s.num_ranks;
   const int parity = static_cast<int>(epoch & 1);
@@ -756,22 +767,30 @@ __device__ void CombineRecvHalf(const ChannelView& ch, u64 epoch,
     float acc[kPer];
 #pragma unroll
     for (int q = 0; q < kPer; ++q) acc[q] = 0.0f;
-#pragma unroll 4
-    for (int j = 0; j < s.top_k; ++j) {
-      const int64_t n = t * s.top_k + j;
-      const int32_t pos = slot_pos[n];
-      if (pos < 0) {
+    // kBatch picks at a time: every row load is issued before the first add.
+    for (int j0 = 0; j0 < s.top_k; j0 += kBatch) {
+      union { uint4 vec; S elem[kPer]; } in[kBatch];
+      float w[kBatch];
 #pragma unroll
-        for (int q = 0; q < kPer; ++q) acc[q] = __fadd_rn(acc[q], 0.0f);
-        continue;
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t n = t * s.top_k + j0 + b;
+        const int32_t pos = j0 + b < s.top_k ? slot_pos[n] : -1;
+        w[b] = 0.0f;
+        in[b].vec = make_uint4(0, 0, 0, 0);  // a dropped pick adds w * 0 = +0
+        if (pos >= 0) {
+          w[b] = weights[n];
+          const int d = expert_ids[n] / s.experts_per_rank;
+          in[b].vec =
+              __ldcg(reinterpret_cast<const uint4*>(CombineRow(ch, ch.rank, parity, d, pos)) + v);
+        }
       }
-      const int d = expert_ids[n] / s.experts_per_rank;
-      const float w = weights[n];
-      union { uint4 vec; S elem[kPer]; } in;
-      in.vec = __ldcg(reinterpret_cast<const uint4*>(CombineRow(ch, ch.rank, parity, d, pos)) + v);
 #pragma unroll
-      for (int q = 0; q < kPer; ++q) {
-        acc[q] = __fadd_rn(acc[q], __fmul_rn(w, E::ToFloat(in.elem[q])));
+      for (int b = 0; b < kBatch; ++b) {
+        if (j0 + b >= s.top_k) break;
+#pragma unroll
+        for (int q = 0; q < kPer; ++q) {
+          acc[q] = __fadd_rn(acc[q], __fmul_rn(w[b], E::ToFloat(in[b].elem[q])));
+        }
       }
     }
     union { uint4 vec; S elem[kPer]; } o;
@@ -785,7 +804,11 @@ __global__ void __launch_bounds__(kThreads)
 CombineSendKernel(ChannelView ch, const uint8_t* __restrict__ y,
                   const int32_t* __restrict__ all_counts) {
   __shared__ RecvTables tb;
-  CombineSendHalf(ch, CallStart(ch, kCombineSend, -1), tb, y, all_counts);
+  const CallState call =
+      CallStart(ch, kCombineSend, -1, Counters::CombineAck(ch.shape.num_ranks, 0),
+                "the combine ack");
+  CombineSendHalf(ch, call, tb, y, all_counts);
+  CountCall(ch, kCombineSend, -1, call);
 }
 
 template <typename E>
@@ -793,8 +816,9 @@ __global__ void __launch_bounds__(kThreads)
 CombineRecvKernel(ChannelView ch, const int32_t* __restrict__ expert_ids,
                   const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
                   typename E::Storage* __restrict__ out) {
-  CombineRecvHalf<E>(ch, CallStart(ch, kCombineRecv, -1).first, expert_ids, slot_pos, weights,
-                     out);
+  const CallState call = CallStart(ch, kCombineRecv, -1);
+  CountCall(ch, kCombineRecv, -1, call);
+  CombineRecvHalf<E>(ch, call.first, expert_ids, slot_pos, weights, out);
 }
 
 // Combine send and receive in one kernel when the grid fits on the GPU at once.
@@ -805,8 +829,10 @@ FusedCombineKernel(ChannelView ch, const uint8_t* __restrict__ y,
                    const int32_t* __restrict__ slot_pos, const float* __restrict__ weights,
                    typename E::Storage* __restrict__ out) {
   __shared__ RecvTables tb;
-  const CallState call = CallStart(ch, kCombineSend, kCombineRecv);
+  const CallState call = CallStart(ch, kCombineSend, kCombineRecv,
+                                   Counters::CombineAck(ch.shape.num_ranks, 0), "the combine ack");
   CombineSendHalf(ch, call, tb, y, all_counts);
+  CountCall(ch, kCombineSend, kCombineRecv, call);
   CombineRecvHalf<E>(ch, call.second, expert_ids, slot_pos, weights, out);
 }
 

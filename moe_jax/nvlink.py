@@ -319,7 +319,10 @@ def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
 
 def quantize_e4m3(x):
     """Reference of the fp8 dispatch format: x [..., H] (H % 128 == 0) ->
-    (values [..., H] float8_e4m3fn, scales [..., H / 128] float32)."""
+    (values [..., H] float8_e4m3fn, scales [..., H / 128] float32).
+
+    Bit-exact with the CUDA quantizer when run on the CPU backend; XLA's GPU
+    backend may round the float32 -> e4m3 conversion differently."""
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, FP8_BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     nonzero = amax > 0

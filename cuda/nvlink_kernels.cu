@@ -100,22 +100,34 @@ __device__ __forceinline__ u64 LoadVolatile(const u64* p) {
   return *reinterpret_cast<const volatile u64*>(p);
 }
 
-// What a kernel knows about its call: the epochs (call indices) of the
-// call(s) it runs (fused kernels run a send and its receive) and, for a
-// kernel that starts a send, how many dispatch and combine receives this
-// rank had finished when it started.
+// The epochs (call indices) of the call(s) a kernel runs: fused kernels run
+// a send and its receive.
 struct CallState {
   u64 first = 0;
   u64 second = 0;
-  u64 dispatches_received = 0;
-  u64 combines_received = 0;
 };
 
+// Publishes (the grid's last block, thread i to rank i) how many dispatch
+// and combine receives this rank has finished on the channel: every kernel
+// before this one on the stream is done, so their reads of the staging are
+// too. Kernels that send call it before they wait for any ack, so a rank's
+// acks never wait on its peers' (two sends may precede their receives).
+__device__ __forceinline__ void Acknowledge(const ChannelView& ch) {
+  const int p = ch.shape.num_ranks;
+  if (blockIdx.x != gridDim.x - 1 || threadIdx.x >= p) return;
+  const u64* mine = CountersOf(ch, ch.rank);
+  const u64 dispatches = LoadVolatile(mine + Counters::Epoch(p, kDispatchRecv));
+  const u64 combines = LoadVolatile(mine + Counters::Epoch(p, kCombineRecv));
+  u64* peer = CountersOf(ch, threadIdx.x);
+  SignalMax(peer + Counters::DispatchAck(p, ch.rank), dispatches);
+  SignalMax(peer + Counters::CombineAck(p, ch.rank), combines);
+}
+
 // Every block calls this first: thread 0 reads the epochs of `call` and
-// (second >= 0) `second`, and the receive epochs, for the block. A kernel
-// that sends into a parity (reuse_slot0 >= 0) also waits here, thread i for
-// rank i, until every receiver acknowledged the call two before (the ack
-// slots start at reuse_slot0).
+// (second >= 0) `second` for the block. A kernel that sends into a parity
+// (reuse_slot0 >= 0) also acknowledges, then waits, thread i for rank i,
+// until every receiver acknowledged the call two before (the ack slots
+// start at reuse_slot0).
 __device__ __forceinline__ CallState CallStart(const ChannelView& ch, int call, int second,
                                                int64_t reuse_slot0 = -1,
                                                const char* what = nullptr) {
@@ -125,13 +137,14 @@ __device__ __forceinline__ CallState CallStart(const ChannelView& ch, int call, 
   if (threadIdx.x == 0) {
     state.first = LoadVolatile(mine + Counters::Epoch(p, call));
     state.second = second >= 0 ? LoadVolatile(mine + Counters::Epoch(p, second)) : 0;
-    state.dispatches_received = LoadVolatile(mine + Counters::Epoch(p, kDispatchRecv));
-    state.combines_received = LoadVolatile(mine + Counters::Epoch(p, kCombineRecv));
   }
-  if (reuse_slot0 >= 0 && threadIdx.x < p) {
-    const u64 epoch = LoadVolatile(mine + Counters::Epoch(p, call));
-    if (epoch >= 2) {
-      WaitAtLeast(mine + reuse_slot0 + threadIdx.x, epoch - 1, what, ch.rank, threadIdx.x);
+  if (reuse_slot0 >= 0) {
+    Acknowledge(ch);
+    if (threadIdx.x < p) {
+      const u64 epoch = LoadVolatile(mine + Counters::Epoch(p, call));
+      if (epoch >= 2) {
+        WaitAtLeast(mine + reuse_slot0 + threadIdx.x, epoch - 1, what, ch.rank, threadIdx.x);
+      }
     }
   }
   __syncthreads();
@@ -155,19 +168,6 @@ __device__ __forceinline__ void CountCall(const ChannelView& ch, int call, int s
   *tally = 0;
   mine[Counters::Epoch(p, call)] = read.first + 1;
   if (second >= 0) mine[Counters::Epoch(p, second)] = read.second + 1;
-}
-
-// Publishes (the grid's last block, thread i to rank i) how many dispatch
-// and combine receives this rank had finished when the kernel started:
-// every kernel before it on the stream is done, so their reads of the
-// staging are too. Kernels that start a send call it once their own stores
-// are under way.
-__device__ __forceinline__ void Acknowledge(const ChannelView& ch, const CallState& state) {
-  const int p = ch.shape.num_ranks;
-  if (blockIdx.x != gridDim.x - 1 || threadIdx.x >= p) return;
-  u64* peer = CountersOf(ch, threadIdx.x);
-  SignalMax(peer + Counters::DispatchAck(p, ch.rank), state.dispatches_received);
-  SignalMax(peer + Counters::CombineAck(p, ch.rank), state.combines_received);
 }
 
 // After its stores to the peers: every block raises each peer's counter
@@ -613,7 +613,6 @@ SendKernel(ChannelView ch, const uint8_t* __restrict__ rows,
       CallStart(ch, kDispatchSend, -1, Counters::DispatchAck(p, 0), "the dispatch ack");
   const int parity = static_cast<int>(call.first & 1);
   SendRows(ch, parity, rows, expert_ids);
-  Acknowledge(ch, call);
   SendIndex(ch, parity, expert_ids, send_counts, [&](int64_t n) {
     const int32_t rank = slot_pos[n];
     if (rank < 0) return int32_t{-1};
@@ -696,7 +695,6 @@ FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
                                    Counters::DispatchAck(p, 0), "the dispatch ack");
   const int parity = static_cast<int>(call.first & 1);
   SendRows(ch, parity, send_rows, expert_ids);
-  Acknowledge(ch, call);
   int32_t* entry_rank = AttachPlanScratch(ps, smem, num_experts);  // [T * k]
   PlanChunk(s, expert_ids, 0, s.tokens, entry_rank, ps);
   int32_t* offset = ps.warp_count;
@@ -718,8 +716,6 @@ FusedDispatchKernel(ChannelView ch, const uint8_t* __restrict__ send_rows,
 // combine send / recv
 //===----------------------------------------------------------------------===//
 
-// Sends the expert outputs back, then acknowledges this rank's finished
-// receives (this kernel starts the combine's send).
 __device__ void CombineSendHalf(const ChannelView& ch, const CallState& call, RecvTables& tb,
                                 const uint8_t* __restrict__ y,
                                 const int32_t* __restrict__ all_counts) {
@@ -742,7 +738,6 @@ __device__ void CombineSendHalf(const ChannelView& ch, const CallState& call, Re
              *src = reinterpret_cast<const uint4*>(y + int64_t{r} * s.row_bytes);
              *dst = reinterpret_cast<uint4*>(CombineRow(ch, to, parity, ch.rank, pos));
            });
-  Acknowledge(ch, call);
   SignalArrival(ch, Counters::CombineArrive(p, 0));
 }
 

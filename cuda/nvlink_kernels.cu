@@ -390,6 +390,9 @@ __device__ __forceinline__ int32_t* ChunkEntryStart(const ChannelView& ch) {  //
   return reinterpret_cast<int32_t*>(ch.base[ch.rank] + ch.shape.ChunkEntryStartOffset());
 }
 
+// Slots each thread orders per round of PlanChunk.
+constexpr int kPlanSub = 4;
+
 // Shared memory one block needs to order a chunk: per-warp and running
 // per-expert counts.
 struct PlanScratch {
@@ -420,17 +423,37 @@ __device__ void PlanChunk(const ChannelShape& s, const int32_t* __restrict__ exp
   const int k = s.top_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;
+  int32_t* warp_count = ps.warp_count + warp * num_experts;
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) ps.count[e] = 0;
   const int64_t n0 = t0 * k, n1 = t1 * k;
-  for (int64_t c0 = n0; c0 < n1; c0 += blockDim.x) {
+  // A round orders up to kThreads * kPlanSub slots: warp w takes `sub` runs
+  // of 32 consecutive slots (sub as small as keeps every warp busy),
+  // counting each expert's slots on its own row of warp_count as it goes;
+  // one prefix over the warps then places them.
+  int64_t sub = 0;
+  for (int64_t c0 = n0; c0 < n1; c0 += kThreads * sub) {
+    sub = (n1 - c0 + kThreads - 1) / kThreads;
+    if (sub > kPlanSub) sub = kPlanSub;
     for (int i = threadIdx.x; i < kWarps * num_experts; i += blockDim.x) ps.warp_count[i] = 0;
     __syncthreads();
-    const int64_t n = c0 + threadIdx.x;
-    const int32_t e = n < n1 ? expert_ids[n] : -1;
-    const bool valid = e >= 0 && e < num_experts;
-    const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1);
-    const int lane_rank = __popc(same & below);
-    if (valid && lane_rank == 0) ps.warp_count[warp * num_experts + e] = __popc(same);
+    int32_t expert[kPlanSub];
+    int32_t rank_in_warp[kPlanSub];
+#pragma unroll
+    for (int j = 0; j < kPlanSub; ++j) {
+      expert[j] = -1;
+      if (j >= sub) break;
+      const int64_t n = c0 + (warp * sub + j) * 32 + lane;
+      const int32_t e = n < n1 ? expert_ids[n] : -1;
+      const bool valid = e >= 0 && e < num_experts;
+      const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1);
+      const int lane_rank = __popc(same & below);
+      const int32_t earlier = valid ? warp_count[e] : 0;
+      __syncwarp();
+      if (valid && lane_rank == 0) warp_count[e] = earlier + __popc(same);
+      __syncwarp();
+      expert[j] = valid ? e : -1;
+      rank_in_warp[j] = earlier + lane_rank;
+    }
     __syncthreads();
     for (int ex = threadIdx.x; ex < num_experts; ex += blockDim.x) {
       int32_t run = ps.count[ex];
@@ -442,7 +465,13 @@ __device__ void PlanChunk(const ChannelShape& s, const int32_t* __restrict__ exp
       ps.count[ex] = run;
     }
     __syncthreads();
-    if (n < n1) entry_rank[n - n0] = valid ? ps.warp_count[warp * num_experts + e] + lane_rank : -1;
+#pragma unroll
+    for (int j = 0; j < kPlanSub; ++j) {
+      if (j >= sub) break;
+      const int64_t n = c0 + (warp * sub + j) * 32 + lane;
+      if (n >= n1) continue;
+      entry_rank[n - n0] = expert[j] >= 0 ? warp_count[expert[j]] + rank_in_warp[j] : -1;
+    }
     __syncthreads();
   }
 }

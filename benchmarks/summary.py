@@ -52,7 +52,29 @@ def _cell(r):
     return "—" if r is None else f"{r['mean_us']:.0f}"
 
 
+def _device(path) -> str:
+    with open(path) as f:
+        return json.load(f)["meta"]["devices"]
+
+
+def _gpu_count(device: str) -> int:
+    head = device.split(" x ", 1)[0]
+    return int(head) if head.isdigit() else 1
+
+
 def summarize(paths) -> str:
+    """One set of tables per device (most GPUs first), never mixing devices in a cell."""
+    by_device = {}
+    for path in paths:
+        by_device.setdefault(_device(path), []).append(path)
+    order = sorted(by_device, key=lambda d: (-_gpu_count(d), d))
+    if len(order) == 1:
+        return _summarize_device(by_device[order[0]])
+    return "\n".join(f"### {device}\n\n" + _summarize_device(by_device[device])
+                     for device in order)
+
+
+def _summarize_device(paths) -> str:
     rows, sources = _rows(paths)
     tokens = sorted({k[2] for k in rows})
     out = []

@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstdint>
@@ -63,6 +64,59 @@ moe_jax::fast::StagedPlanner& Planner() {
 FastScheduler& Scheduler() {
   static thread_local FastScheduler s;
   return s;
+}
+
+// One rank's program: built from its per-GPU schedule as the custom call
+// does (per_rank), or extracted from the whole plan.  No buffer limits.
+std::string RankProgramOf(const Matrix& traffic, int num_servers,
+                          int gpus_per_server, int rank, bool per_rank,
+                          moe_jax::fast::RankProgram* out) {
+  moe_jax::fast::StagedPlanner& p = Planner();
+  if (per_rank) {
+    return p.BuildRank(traffic.data(), num_servers, gpus_per_server,
+                       INT64_MAX, INT64_MAX, INT64_MAX, rank, out)
+        .message;
+  }
+  if (std::string err = p.Build(traffic.data(), num_servers, gpus_per_server,
+                                INT64_MAX, INT64_MAX);
+      !err.empty()) {
+    return err;
+  }
+  return p.ForRank(rank, INT64_MAX, out);
+}
+
+// What the custom call runs per call on `rank`, with buffers that fit the
+// traffic exactly and the default workspace (per_rank), or the whole plan
+// and the rank's part of it.
+std::string TimedRankProgram(const Matrix& traffic, int num_servers,
+                             int gpus_per_server, int rank, bool per_rank,
+                             moe_jax::fast::RankProgram* out) {
+  const int64_t g = static_cast<int64_t>(traffic.shape(0));
+  const int64_t* t = traffic.data();
+  int64_t rows_in = 0, rows_out = 0;
+  for (int64_t s = 0; s < g; ++s) {
+    int64_t row = 0, col = 0;
+    for (int64_t d = 0; d < g; ++d) {
+      row += t[s * g + d];
+      col += t[d * g + s];
+    }
+    rows_in = std::max(rows_in, row);
+    rows_out = std::max(rows_out, col);
+  }
+  const int64_t ws_rows = moe_jax::fast::WorkspaceBound(
+      rows_in, rows_out, num_servers, gpus_per_server);
+  moe_jax::fast::StagedPlanner& p = Planner();
+  if (per_rank) {
+    return p.BuildRank(t, num_servers, gpus_per_server, rows_in, rows_out,
+                       ws_rows, rank, out)
+        .message;
+  }
+  if (std::string err =
+          p.Build(t, num_servers, gpus_per_server, rows_in, rows_out);
+      !err.empty()) {
+    return err;
+  }
+  return p.ForRank(rank, ws_rows, out);
 }
 
 }  // namespace
@@ -170,6 +224,70 @@ NB_MODULE(_fast, m) {
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       "Execution plan of the FAST schedule (see xla_ffi/fast/plan.h): dict "
       "with ops int64[K, 11], num_phases and workspace_used int64[G].");
+  m.def(
+      "rank_program",
+      [](Matrix traffic, int num_servers, int gpus_per_server, int rank,
+         bool per_rank) {
+        CheckShape(traffic, num_servers, gpus_per_server);
+        moe_jax::fast::RankProgram prog;
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = RankProgramOf(traffic, num_servers, gpus_per_server, rank,
+                              per_rank, &prog);
+        }
+        if (!err.empty()) throw nb::value_error(err.c_str());
+        std::vector<int64_t> ops;
+        ops.reserve(prog.ops.size() * 7);
+        for (const moe_jax::fast::RankOp& op : prog.ops) {
+          ops.insert(ops.end(), {static_cast<int64_t>(op.kind), op.peer,
+                                 op.rows, op.src_buf, op.src_row, op.dst_buf,
+                                 op.dst_row});
+        }
+        nb::dict d;
+        d["ops"] = ToNumpy(std::move(ops), {prog.ops.size(), size_t{7}});
+        const size_t phases = prog.phase_begin.size();
+        d["phase_begin"] = ToNumpy(std::move(prog.phase_begin), {phases});
+        d["recv_total"] = prog.recv_total;
+        d["workspace_used"] = prog.workspace_used;
+        return d;
+      },
+      nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
+      nb::arg("rank"), nb::arg("per_rank") = true,
+      "One rank's program (plan.h's RankProgram): built from the rank's "
+      "per-GPU schedule (per_rank, what the custom call runs) or extracted "
+      "from the whole plan.  Dict with ops int64[K, 7] (kind 0 copy / 1 "
+      "send / 2 recv, peer, rows, src_buf, src_row, dst_buf, dst_row; -1 on "
+      "the peer's side), phase_begin int64[P + 1], recv_total and "
+      "workspace_used.");
+  m.def(
+      "time_rank_program",
+      [](Matrix traffic, int num_servers, int gpus_per_server, int rank,
+         int repeats, bool per_rank) {
+        CheckShape(traffic, num_servers, gpus_per_server);
+        if (repeats < 1) throw nb::value_error("repeats must be >= 1");
+        std::vector<double> ns(repeats);
+        moe_jax::fast::RankProgram prog;
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          for (int r = 0; r < repeats && err.empty(); ++r) {
+            const auto t0 = std::chrono::steady_clock::now();
+            err = TimedRankProgram(traffic, num_servers, gpus_per_server, rank,
+                                   per_rank, &prog);
+            const auto t1 = std::chrono::steady_clock::now();
+            ns[r] = std::chrono::duration<double, std::nano>(t1 - t0).count();
+          }
+        }
+        if (!err.empty()) throw nb::value_error(err.c_str());
+        return ToNumpy(std::move(ns), {static_cast<size_t>(repeats)});
+      },
+      nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
+      nb::arg("rank"), nb::arg("repeats"), nb::arg("per_rank") = true,
+      "Wall time (ns) of each of `repeats` runs of what the custom call "
+      "computes per call on `rank` (traffic check, schedule, plan, the "
+      "rank's program; buffers fit the traffic, default workspace): from "
+      "the rank's per-GPU schedule (per_rank) or the whole plan.");
   m.def(
       "simulate_execution",
       [](Matrix traffic, int num_servers, int gpus_per_server, Rows x,

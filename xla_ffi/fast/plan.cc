@@ -1,8 +1,88 @@
 #include "xla_ffi/fast/plan.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace moe_jax::fast {
+namespace {
+
+// Indexes the row range of every stage; "" or an internal error.
+std::string IndexStages(const FastSchedule& schedule, StageIndex* index) {
+  const int64_t* tr = schedule.transfers.data();
+  const int64_t* rd = schedule.redistribution.data();
+  const int64_t nt =
+      static_cast<int64_t>(schedule.transfers.size()) / kTransferCols;
+  const int64_t nr =
+      static_cast<int64_t>(schedule.redistribution.size()) / kTransferCols;
+  const size_t codes = 2 * static_cast<size_t>(schedule.num_stages) + 3;
+  index->begin.assign(codes, 0);
+  index->end.assign(codes, 0);
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t st = tr[i * kTransferCols + kStage];
+    if (st < 0 || st >= static_cast<int64_t>(codes) || (st >= 2 && st % 2)) {
+      return "internal error: schedule row with stage " + std::to_string(st);
+    }
+    if (index->end[st] == 0) index->begin[st] = i;
+    index->end[st] = i + 1;
+  }
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t st = rd[i * kTransferCols + kStage];
+    if (st < 3 || st >= static_cast<int64_t>(codes) || st % 2 == 0) {
+      return "internal error: redistribution row with stage " +
+             std::to_string(st);
+    }
+    if (index->end[st] == 0) index->begin[st] = i;
+    index->end[st] = i + 1;
+  }
+  return {};
+}
+
+// Calls apply(row, phase) on every row, stages in plan order: balancing
+// (phase 0); without BvN stages the intra-server part (0); else the
+// scale-out of stage 0 and the intra-server part (1), then for each BvN
+// stage k its redistribution and the scale-out of stage k + 1 (k + 2).
+template <typename Apply>
+std::string RunStages(const FastSchedule& schedule, const StageIndex& index,
+                      Apply apply) {
+  const int64_t* tr = schedule.transfers.data();
+  const int64_t* rd = schedule.redistribution.data();
+  auto run = [&](int64_t st, int64_t phase) -> std::string {
+    const int64_t* rows = st >= 3 && st % 2 ? rd : tr;
+    for (int64_t i = index.begin[st]; i < index.end[st]; ++i) {
+      if (std::string err = apply(rows + i * kTransferCols, phase);
+          !err.empty()) {
+        return err;
+      }
+    }
+    return {};
+  };
+  const int s = schedule.num_stages;
+  std::string err = run(0, 0);
+  if (s == 0) {
+    if (err.empty()) err = run(1, 0);
+    return err;
+  }
+  if (err.empty()) err = run(2, 1);
+  if (err.empty()) err = run(1, 1);
+  for (int k = 0; k < s && err.empty(); ++k) {
+    err = run(3 + 2 * static_cast<int64_t>(k), k + 2);
+    if (err.empty() && k + 1 < s) {
+      err = run(2 + 2 * static_cast<int64_t>(k + 1), k + 2);
+    }
+  }
+  return err;
+}
+
+std::string FlowText(int64_t fs, int64_t fd) {
+  return "(" + std::to_string(fs) + ", " + std::to_string(fd) + ")";
+}
+
+}  // namespace
+
+int ProgramPhases(int num_stages, int gpus_per_server, bool any_traffic) {
+  if (num_stages > 0) return num_stages + (gpus_per_server > 1 ? 2 : 1);
+  return any_traffic ? 1 : 0;
+}
 
 void ExecutionPlanner::Add(uint64_t key, const Segment& s) {
   std::vector<Segment>& segs = hold_[key];
@@ -89,6 +169,7 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
   g_ = static_cast<uint64_t>(g);
   out->num_servers = n;
   out->gpus_per_server = m;
+  out->num_stages = schedule.num_stages;
   out->ops.clear();
   out->num_phases = 0;
   out->workspace_used.assign(g, 0);
@@ -123,56 +204,13 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
     }
   }
 
-  // Row ranges of each stage: transfers holds stages 0, 1, 2, 4, ... in
-  // order, redistribution stages 3, 5, ...
-  const int S = schedule.num_stages;
-  const int64_t* tr = schedule.transfers.data();
-  const int64_t* rd = schedule.redistribution.data();
-  const int64_t nt = static_cast<int64_t>(schedule.transfers.size()) / kTransferCols;
-  const int64_t nr =
-      static_cast<int64_t>(schedule.redistribution.size()) / kTransferCols;
-  std::vector<int64_t> begin(2 * static_cast<size_t>(S) + 3, 0);
-  std::vector<int64_t> end(begin.size(), 0);
-  for (int64_t i = 0; i < nt; ++i) {
-    const int64_t st = tr[i * kTransferCols + kStage];
-    if (st < 0 || st >= static_cast<int64_t>(begin.size()) || (st >= 2 && st % 2)) {
-      return "internal error: schedule row with stage " + std::to_string(st);
-    }
-    if (end[st] == 0) begin[st] = i;
-    end[st] = i + 1;
+  if (std::string err = IndexStages(schedule, &stages_); !err.empty()) {
+    return err;
   }
-  for (int64_t i = 0; i < nr; ++i) {
-    const int64_t st = rd[i * kTransferCols + kStage];
-    if (st < 3 || st >= static_cast<int64_t>(begin.size()) || st % 2 == 0) {
-      return "internal error: redistribution row with stage " +
-             std::to_string(st);
-    }
-    if (end[st] == 0) begin[st] = i;
-    end[st] = i + 1;
-  }
-  auto run = [&](int64_t st, int64_t phase) -> std::string {
-    const int64_t* rows = st >= 3 && st % 2 ? rd : tr;
-    for (int64_t i = begin[st]; i < end[st]; ++i) {
-      if (std::string err = Apply(rows + i * kTransferCols, phase, out);
-          !err.empty()) {
-        return err;
-      }
-    }
-    return {};
-  };
-  std::string err = run(0, 0);
-  if (S == 0) {
-    if (err.empty()) err = run(1, 0);
-  } else {
-    if (err.empty()) err = run(2, 1);
-    if (err.empty()) err = run(1, 1);
-    for (int k = 0; k < S && err.empty(); ++k) {
-      err = run(3 + 2 * static_cast<int64_t>(k), k + 2);
-      if (err.empty() && k + 1 < S) {
-        err = run(2 + 2 * static_cast<int64_t>(k + 1), k + 2);
-      }
-    }
-  }
+  std::string err =
+      RunStages(schedule, stages_, [&](const int64_t* row, int64_t phase) {
+        return Apply(row, phase, out);
+      });
   if (!err.empty()) return err;
   if (!hold_.empty()) {
     const uint64_t key = hold_.begin()->first;
@@ -190,8 +228,10 @@ void ExtractRankProgram(const ExecutionPlan& plan, const int64_t* traffic,
                         int rank, RankProgram* out) {
   const int64_t g =
       static_cast<int64_t>(plan.num_servers) * plan.gpus_per_server;
+  const int phases = ProgramPhases(plan.num_stages, plan.gpus_per_server,
+                                   plan.num_ops() > 0);
   out->ops.clear();
-  out->phase_begin.assign(static_cast<size_t>(plan.num_phases) + 1, 0);
+  out->phase_begin.assign(static_cast<size_t>(phases) + 1, 0);
   int64_t phase = 0;
   for (int64_t i = 0; i < plan.num_ops(); ++i) {
     const int64_t* op = plan.ops.data() + i * kOpCols;
@@ -205,13 +245,13 @@ void ExtractRankProgram(const ExecutionPlan& plan, const int64_t* traffic,
                             : (sends ? RankOpKind::kSend : RankOpKind::kRecv);
     r.peer = static_cast<int>(sends ? op[kOpDst] : op[kOpSrc]);
     r.rows = op[kOpRows];
-    r.src_buf = op[kOpSrcBuf];
-    r.src_row = op[kOpSrcRow];
-    r.dst_buf = op[kOpDstBuf];
-    r.dst_row = op[kOpDstRow];
+    r.src_buf = sends ? op[kOpSrcBuf] : kNotMine;
+    r.src_row = sends ? op[kOpSrcRow] : kNotMine;
+    r.dst_buf = recvs ? op[kOpDstBuf] : kNotMine;
+    r.dst_row = recvs ? op[kOpDstRow] : kNotMine;
     out->ops.push_back(r);
   }
-  while (phase < plan.num_phases) {
+  while (phase < phases) {
     out->phase_begin[++phase] = static_cast<int64_t>(out->ops.size());
   }
   out->recv_total = 0;
@@ -220,6 +260,255 @@ void ExtractRankProgram(const ExecutionPlan& plan, const int64_t* traffic,
       rank < static_cast<int64_t>(plan.workspace_used.size())
           ? plan.workspace_used[rank]
           : 0;
+}
+
+//===----------------------------------------------------------------------===//
+// RankPlanner
+//===----------------------------------------------------------------------===//
+
+std::string RankPlanner::Plan(const int64_t* traffic,
+                              const FastSchedule& schedule, int rank,
+                              RankProgram* out) {
+  n_ = schedule.num_servers;
+  m_ = schedule.gpus_per_server;
+  g_ = n_ * m_;
+  if (rank < 0 || rank >= g_) {
+    return "rank " + std::to_string(rank) + " out of range [0, " +
+           std::to_string(g_) + ")";
+  }
+  rank_ = rank;
+  server_ = rank / m_;
+  traffic_ = traffic;
+  if (std::string err = IndexStages(schedule, &stages_); !err.empty()) {
+    return err;
+  }
+  Offsets();
+  LaneStarts(schedule);
+  given_.assign(g_, 0);
+  balanced_in_.clear();
+  relay_.clear();
+  relay_head_ = 0;
+  bump_ = 0;
+  queues_built_ = false;
+  bool any_traffic = schedule.num_stages > 0;
+  for (int64_t i = 0; i < g_ * g_ && !any_traffic; ++i) {
+    any_traffic = traffic[i] > 0;
+  }
+  out->ops.clear();
+  out->phase_begin.assign(
+      static_cast<size_t>(ProgramPhases(schedule.num_stages, m_, any_traffic)) +
+          1,
+      0);
+  phase_ = 0;
+  const int64_t local = traffic[rank_ * g_ + rank_];
+  if (local > 0) {
+    Push(RankOpKind::kCopy, rank_, local, kBufX, send_off_[rank_], kBufOut,
+         recv_off_[rank_], 0, out);
+  }
+  if (std::string err = RunStages(
+          schedule, stages_,
+          [&](const int64_t* row, int64_t phase) {
+            return Apply(row, phase, out);
+          });
+      !err.empty()) {
+    return err;
+  }
+  if (!queues_built_) BuildLaneQueues();
+  for (int64_t c = 0; c < n_; ++c) {
+    if (queue_head_[c] != queue_begin_[c + 1]) {
+      const Held& h = queue_[queue_head_[c]];
+      return "internal error: rank " + std::to_string(rank_) +
+             " keeps rows of flow " + FlowText(h.flow_src, h.flow_dst);
+    }
+  }
+  if (relay_head_ != relay_.size()) {
+    const Held& h = relay_[relay_head_];
+    return "internal error: rank " + std::to_string(rank_) +
+           " keeps relayed rows of flow " + FlowText(h.flow_src, h.flow_dst);
+  }
+  const int phases = out->num_phases();
+  while (phase_ < phases) {
+    out->phase_begin[++phase_] = static_cast<int64_t>(out->ops.size());
+  }
+  out->recv_total = 0;
+  for (int64_t s = 0; s < g_; ++s) out->recv_total += traffic[s * g_ + rank_];
+  out->workspace_used = bump_;
+  return {};
+}
+
+void RankPlanner::Offsets() {
+  send_off_.resize(g_);
+  recv_off_.resize(g_);
+  const int64_t* row = traffic_ + rank_ * g_;
+  int64_t acc = 0;
+  for (int64_t d = 0; d < g_; ++d) {
+    send_off_[d] = acc;
+    acc += row[d];
+  }
+  acc = 0;
+  for (int64_t s = 0; s < g_; ++s) {
+    recv_off_[s] = acc;
+    acc += traffic_[s * g_ + rank_];
+  }
+}
+
+// lane_row_[s * M + l]: first flow row of (s, rank) that lane l of s's
+// server carries.  Lane l's amount is what reaches the rank from its
+// scale-out peer (GPU l of the rank's server, the rank itself included);
+// the source's lane keeps rows from 0, the receiving lanes get the tail in
+// lane order, the lowest lane the last rows.
+void RankPlanner::LaneStarts(const FastSchedule& schedule) {
+  lane_row_.assign(g_ * m_, 0);
+  auto add = [&](const RowBuffer& rows) {
+    const int64_t* r = rows.data();
+    const int64_t k = static_cast<int64_t>(rows.size()) / kTransferCols;
+    for (int64_t i = 0; i < k; ++i, r += kTransferCols) {
+      if (r[kStage] >= 2 && r[kDst] == rank_ && r[kFlowDst] == rank_) {
+        lane_row_[r[kFlowSrc] * m_ + r[kSrc] % m_] += r[kAmount];
+      }
+    }
+  };
+  add(schedule.transfers);
+  add(schedule.redistribution);
+  for (int64_t s = 0; s < g_; ++s) {
+    if (s / m_ == server_) continue;
+    int64_t* lanes = lane_row_.data() + s * m_;
+    const int64_t own = s % m_;
+    int64_t top = traffic_[s * g_ + rank_];
+    for (int64_t l = 0; l < m_; ++l) {
+      if (l == own) continue;
+      top -= lanes[l];
+      lanes[l] = top;
+    }
+    lanes[own] = 0;
+  }
+}
+
+// The rank's scale-out lane queue to each other server c, as the scheduler
+// walks it: its own flows into c in destination order (what balancing left
+// of them), then the balancing pieces it received for c, in arrival order.
+void RankPlanner::BuildLaneQueues() {
+  queues_built_ = true;
+  queue_begin_.assign(n_ + 1, 0);
+  const int64_t* row = traffic_ + rank_ * g_;
+  for (int64_t d = 0; d < g_; ++d) {
+    if (d / m_ != server_ && row[d] > given_[d]) ++queue_begin_[d / m_ + 1];
+  }
+  for (const Held& h : balanced_in_) ++queue_begin_[h.flow_dst / m_ + 1];
+  for (int64_t c = 0; c < n_; ++c) queue_begin_[c + 1] += queue_begin_[c];
+  queue_.resize(queue_begin_[n_]);
+  queue_head_.assign(queue_begin_.begin(), queue_begin_.end() - 1);
+  for (int64_t d = 0; d < g_; ++d) {
+    if (d / m_ != server_ && row[d] > given_[d]) {
+      queue_[queue_head_[d / m_]++] = {rank_, d, kBufX, send_off_[d],
+                                       row[d] - given_[d], 0};
+    }
+  }
+  for (const Held& h : balanced_in_) queue_[queue_head_[h.flow_dst / m_]++] = h;
+  queue_head_.assign(queue_begin_.begin(), queue_begin_.end() - 1);
+}
+
+void RankPlanner::Push(RankOpKind kind, int64_t peer, int64_t rows,
+                       int64_t src_buf, int64_t src_row, int64_t dst_buf,
+                       int64_t dst_row, int64_t phase, RankProgram* out) {
+  while (phase_ < phase) {
+    out->phase_begin[++phase_] = static_cast<int64_t>(out->ops.size());
+  }
+  out->ops.push_back({kind, static_cast<int>(peer), rows, src_buf, src_row,
+                      dst_buf, dst_row});
+}
+
+std::string RankPlanner::Apply(const int64_t* row, int64_t phase,
+                               RankProgram* out) {
+  if (phase >= out->num_phases()) {
+    return "internal error: a row in phase " + std::to_string(phase) +
+           " of a program with " + std::to_string(out->num_phases());
+  }
+  if (row[kSrc] == rank_) return Send(row, phase, out);
+  if (row[kDst] == rank_) return Receive(row, phase, out);
+  return "internal error: rank " + std::to_string(rank_) +
+         "'s schedule has a row of GPUs " + std::to_string(row[kSrc]) +
+         " -> " + std::to_string(row[kDst]);
+}
+
+std::string RankPlanner::Send(const int64_t* row, int64_t phase,
+                              RankProgram* out) {
+  const int64_t stage = row[kStage], peer = row[kDst], rows = row[kAmount];
+  const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
+  const auto lost = [&] {
+    return "internal error: rank " + std::to_string(rank_) + " sends " +
+           std::to_string(rows) + " rows of flow " + FlowText(fs, fd) +
+           " in phase " + std::to_string(phase) + " that it does not hold next";
+  };
+  if (stage <= 1) {
+    // Balancing gives the last rows the source still holds; the
+    // intra-server part sends the whole flow.
+    if (fs != rank_) return lost();
+    int64_t first = 0;
+    if (stage == 0) {
+      given_[fd] += rows;
+      first = traffic_[rank_ * g_ + fd] - given_[fd];
+    }
+    Push(RankOpKind::kSend, peer, rows, kBufX, send_off_[fd] + first,
+         kNotMine, kNotMine, phase, out);
+    return {};
+  }
+  if (stage % 2 == 0) {  // scale-out: the head of the lane queue
+    if (!queues_built_) BuildLaneQueues();
+    size_t& head = queue_head_[fd / m_];
+    if (head == queue_begin_[fd / m_ + 1]) return lost();
+    Held& h = queue_[head];
+    if (h.flow_src != fs || h.flow_dst != fd || h.rows < rows ||
+        h.ready > phase) {
+      return lost();
+    }
+    Push(RankOpKind::kSend, peer, rows, h.buf, h.row, kNotMine, kNotMine,
+         phase, out);
+    h.row += rows;
+    h.rows -= rows;
+    if (h.rows == 0) ++head;
+    return {};
+  }
+  // Redistribution: the oldest scale-out piece, whole.
+  if (relay_head_ == relay_.size()) return lost();
+  const Held& h = relay_[relay_head_];
+  if (h.flow_src != fs || h.flow_dst != fd || h.rows != rows ||
+      h.ready > phase) {
+    return lost();
+  }
+  Push(RankOpKind::kSend, peer, rows, h.buf, h.row, kNotMine, kNotMine, phase,
+       out);
+  ++relay_head_;
+  return {};
+}
+
+std::string RankPlanner::Receive(const int64_t* row, int64_t phase,
+                                 RankProgram* out) {
+  const int64_t stage = row[kStage], peer = row[kSrc], rows = row[kAmount];
+  const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
+  const bool scale_out = stage >= 2 && stage % 2 == 0;
+  if (fd == rank_ && stage != 0) {
+    int64_t first = 0;  // the intra-server part brings the whole flow
+    if (stage >= 2) {
+      int64_t& next = lane_row_[fs * m_ + peer % m_];
+      first = next;
+      next += rows;
+    }
+    Push(RankOpKind::kRecv, peer, rows, kNotMine, kNotMine, kBufOut,
+         recv_off_[fs] + first, phase, out);
+    return {};
+  }
+  if (fd == rank_ || !(stage == 0 || scale_out)) {
+    return "internal error: rank " + std::to_string(rank_) +
+           " receives rows of flow " + FlowText(fs, fd) + " in stage " +
+           std::to_string(stage);
+  }
+  Push(RankOpKind::kRecv, peer, rows, kNotMine, kNotMine, kBufWs, bump_, phase,
+       out);
+  (stage == 0 ? balanced_in_ : relay_)
+      .push_back({fs, fd, kBufWs, bump_, rows, phase + 1});
+  bump_ += rows;
+  return {};
 }
 
 std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,
@@ -263,6 +552,101 @@ std::string StagedPlanner::BuildOwned(int num_servers, int gpus_per_server,
     return err;
   }
   return planner_.Plan(traffic_.data(), schedule_, &plan_);
+}
+
+int64_t WorkspaceBound(int64_t rows_in, int64_t rows_out, int num_servers,
+                       int gpus_per_server) {
+  if (num_servers <= 1 || gpus_per_server <= 1) return 0;
+  const int64_t slack = 2 * (static_cast<int64_t>(num_servers) - 1);
+  if (rows_in > INT64_MAX - slack - rows_out) return INT64_MAX;
+  return rows_in + rows_out + slack;
+}
+
+std::string CheckProgram(const RankProgram& program, int64_t rows_in,
+                         int64_t rows_out, int64_t ws_rows) {
+  const auto inside = [](int64_t row, int64_t rows, int64_t size) {
+    return row >= 0 && row <= size - rows;
+  };
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const RankOp& op = program.ops[i];
+    const bool reads = op.kind != RankOpKind::kRecv;
+    const bool writes = op.kind != RankOpKind::kSend;
+    const int64_t src_size = op.src_buf == kBufWs ? ws_rows : rows_in;
+    const int64_t dst_size = op.dst_buf == kBufWs ? ws_rows : rows_out;
+    if (op.rows < 1 || (reads && !inside(op.src_row, op.rows, src_size)) ||
+        (writes && !inside(op.dst_row, op.rows, dst_size))) {
+      return "internal error: op " + std::to_string(i) +
+             " of the rank's program falls outside the buffers";
+    }
+  }
+  return {};
+}
+
+PlanStatus StagedPlanner::BuildRankOwned(int num_servers, int gpus_per_server,
+                                         int64_t rows_in, int64_t rows_out,
+                                         int64_t ws_rows, int rank,
+                                         RankProgram* out) {
+  const int64_t g = static_cast<int64_t>(num_servers) * gpus_per_server;
+  if (rank < 0 || rank >= g) {
+    return {PlanFailure::kInternal, "rank " + std::to_string(rank) +
+                                        " out of range [0, " +
+                                        std::to_string(g) + ")"};
+  }
+  if (std::string err = CheckTraffic(traffic_.data(), g, rows_in, rows_out);
+      !err.empty()) {
+    return {PlanFailure::kTraffic, err};
+  }
+  if (ws_rows < WorkspaceBound(rows_in, rows_out, num_servers,
+                               gpus_per_server)) {
+    if (PlanStatus s = WholePlanForRank(num_servers, gpus_per_server, ws_rows,
+                                        rank, out);
+        !s.ok()) {
+      return s;
+    }
+  } else {
+    if (std::string err =
+            scheduler_.Schedule(traffic_.data(), num_servers, gpus_per_server,
+                                true, &schedule_, rank);
+        !err.empty()) {
+      return {PlanFailure::kTraffic, err};
+    }
+    if (std::string err =
+            rank_planner_.Plan(traffic_.data(), schedule_, rank, out);
+        !err.empty()) {
+      return {PlanFailure::kInternal, err};
+    }
+  }
+  if (std::string err = CheckProgram(*out, rows_in, rows_out, ws_rows);
+      !err.empty()) {
+    return {PlanFailure::kInternal, err};
+  }
+  return {};
+}
+
+PlanStatus StagedPlanner::WholePlanForRank(int num_servers,
+                                           int gpus_per_server,
+                                           int64_t ws_rows, int rank,
+                                           RankProgram* out) {
+  if (std::string err = scheduler_.Schedule(traffic_.data(), num_servers,
+                                            gpus_per_server, true, &schedule_);
+      !err.empty()) {
+    return {PlanFailure::kTraffic, err};
+  }
+  if (std::string err = planner_.Plan(traffic_.data(), schedule_, &plan_);
+      !err.empty()) {
+    return {PlanFailure::kInternal, err};
+  }
+  for (size_t g = 0; g < plan_.workspace_used.size(); ++g) {
+    if (plan_.workspace_used[g] > ws_rows) {
+      return {PlanFailure::kWorkspace,
+              "rank " + std::to_string(g) + " needs " +
+                  std::to_string(plan_.workspace_used[g]) +
+                  " workspace rows, the workspace has " +
+                  std::to_string(ws_rows)};
+    }
+  }
+  ExtractRankProgram(plan_, traffic_.data(), rank, out);
+  return {};
 }
 
 std::string StagedPlanner::ForRank(int rank, int64_t ws_rows,

@@ -9,8 +9,10 @@
 // and in phase 1 the intra-server part).  Relayed rows are bump-allocated
 // in a per-GPU workspace and never overwritten.
 //
-// ExtractRankProgram selects what one rank issues; issue.h issues it
-// through a transport (NCCL in cuda/fast_staged_all_to_all.cc, an
+// ExtractRankProgram selects what one rank issues from the whole plan;
+// RankPlanner builds the same program from that rank's per-GPU schedule
+// alone (what StagedPlanner::BuildRank runs on each rank); issue.h issues
+// it through a transport (NCCL in cuda/fast_staged_all_to_all.cc, an
 // in-memory simulation in simulate.cc).
 #ifndef MOE_JAX_XLA_FFI_FAST_PLAN_H_
 #define MOE_JAX_XLA_FFI_FAST_PLAN_H_
@@ -39,10 +41,18 @@ struct ExecutionPlan {
   int gpus_per_server = 0;
   std::vector<int64_t> ops;             // [K * kOpCols], phases non-decreasing
   int num_phases = 0;                   // 1 + largest phase (0 without ops)
+  int num_stages = 0;                   // BvN stages of the schedule
   std::vector<int64_t> workspace_used;  // [G] workspace rows per GPU
   int64_t num_ops() const {
     return static_cast<int64_t>(ops.size()) / kOpCols;
   }
+};
+
+// Where each stage's rows lie in a schedule's two row arrays (transfers:
+// stages 0, 1, 2, 4, ... in order; redistribution: 3, 5, ...); kept by the
+// planners so that indexing does not allocate.
+struct StageIndex {
+  std::vector<int64_t> begin, end;
 };
 
 class ExecutionPlanner {
@@ -68,6 +78,7 @@ class ExecutionPlanner {
   std::string Apply(const int64_t* row, int64_t phase, ExecutionPlan* out);
 
   uint64_t g_ = 0;
+  StageIndex stages_;
   std::unordered_map<uint64_t, std::vector<Segment>> hold_;
   std::vector<Piece> pieces_;
   std::vector<int64_t> send_off_, recv_off_;
@@ -78,6 +89,9 @@ enum class RankOpKind : int { kCopy, kSend, kRecv };
 // One op as a rank issues it.  kSend: rows [src_row, src_row + rows) of
 // src_buf (x / ws) to `peer`.  kRecv: from `peer` into rows [dst_row, ...)
 // of dst_buf (out / ws).  kCopy: local, src_buf/src_row -> dst_buf/dst_row.
+// The peer's side of a send or receive is not the rank's: its buffer and
+// row are kNotMine.
+constexpr int64_t kNotMine = -1;
 struct RankOp {
   RankOpKind kind;
   int peer;
@@ -86,9 +100,16 @@ struct RankOp {
   int64_t dst_buf, dst_row;
 };
 
+// Phases of every rank's program: with S > 0 BvN stages, 0 .. S + 1 (the
+// last redistribution's), 0 .. S with one GPU per server (no
+// redistribution); else one phase, none without traffic.  The server-level
+// schedule fixes it, so each rank knows it without the others' rows; the
+// last phases may be empty for every rank.
+int ProgramPhases(int num_stages, int gpus_per_server, bool any_traffic);
+
 struct RankProgram {
   std::vector<RankOp> ops;           // plan order
-  std::vector<int64_t> phase_begin;  // [num_phases + 1] into ops
+  std::vector<int64_t> phase_begin;  // [ProgramPhases + 1] into ops
   int64_t recv_total = 0;            // out rows written (sum of column)
   int64_t workspace_used = 0;
   int num_phases() const {
@@ -101,17 +122,113 @@ struct RankProgram {
 void ExtractRankProgram(const ExecutionPlan& plan, const int64_t* traffic,
                         int rank, RankProgram* out);
 
+// Builds one rank's program from its per-GPU schedule (FastScheduler with
+// gpu = rank): the same ops in the same order as ExtractRankProgram of the
+// whole plan.  The rank's own rows suffice because
+// * every schedule row is one op (one contiguous range of one flow): a
+//   source holds its flow in one x range, a balancing receiver gets one
+//   piece of a flow, a scale-out peer forwards each piece in its stage;
+// * what the rank relays sits in its own workspace, bump-allocated over its
+//   own receives in plan order, and leaves in its lane queue's order (own
+//   kept pieces, then the balancing pieces it received) or, at the
+//   scale-out peer, in the order it arrived;
+// * out rows are recv_off + flow row, and the flow rows each lane carries
+//   follow from the balancing rule: the source keeps the first rows of its
+//   flow, its tail goes to receiving lanes in lane order from the last row
+//   down, and every unit a lane carries reaches the destination from that
+//   lane's scale-out peer, so the destination's own receives give each
+//   lane's amount.
+class RankPlanner {
+ public:
+  // traffic: row-major int64[G * G], the one `schedule` was built from with
+  // with_transfers=true and gpu=rank.  "" on success, else why not.
+  std::string Plan(const int64_t* traffic, const FastSchedule& schedule,
+                   int rank, RankProgram* out);
+
+ private:
+  // Rows of a flow the rank holds until it sends them on.
+  struct Held {
+    int64_t flow_src, flow_dst, buf, row, rows, ready;
+  };
+  void Offsets();
+  void LaneStarts(const FastSchedule& schedule);
+  void BuildLaneQueues();
+  std::string Apply(const int64_t* row, int64_t phase, RankProgram* out);
+  std::string Send(const int64_t* row, int64_t phase, RankProgram* out);
+  std::string Receive(const int64_t* row, int64_t phase, RankProgram* out);
+  void Push(RankOpKind kind, int64_t peer, int64_t rows, int64_t src_buf,
+            int64_t src_row, int64_t dst_buf, int64_t dst_row, int64_t phase,
+            RankProgram* out);
+
+  int64_t g_ = 0, m_ = 0, n_ = 0, rank_ = 0, server_ = 0;
+  const int64_t* traffic_ = nullptr;
+  StageIndex stages_;
+  bool queues_built_ = false;
+  std::vector<int64_t> send_off_;   // [G] first x row of flow (rank, d)
+  std::vector<int64_t> recv_off_;   // [G] first out row of flow (s, rank)
+  std::vector<int64_t> given_;      // [G] units of (rank, d) given away
+  // [G * M]: next flow row of (s, rank) that lane l of s's server carries.
+  std::vector<int64_t> lane_row_;
+  std::vector<Held> balanced_in_;   // balancing pieces received, in order
+  // Scale-out lane queues, destination server c's at queue_[queue_begin_[c]
+  // .. queue_begin_[c + 1]), sent from queue_head_[c] on.
+  std::vector<Held> queue_;
+  std::vector<size_t> queue_begin_, queue_head_;
+  std::vector<Held> relay_;         // scale-out pieces to redistribute
+  size_t relay_head_ = 0;
+  int64_t bump_ = 0;                // workspace rows used
+  int64_t phase_ = 0;               // phase of the last op pushed
+};
+
+// Rows of workspace that suffice on every GPU for any traffic within the
+// buffers (moe_jax/fast/plan.py's workspace_rows; saturates at INT64_MAX).
+int64_t WorkspaceBound(int64_t rows_in, int64_t rows_out, int num_servers,
+                       int gpus_per_server);
+
+// "" if every op of the program stays inside buffers of these sizes.
+std::string CheckProgram(const RankProgram& program, int64_t rows_in,
+                         int64_t rows_out, int64_t ws_rows);
+
 // "" if traffic (int64[G * G]) is non-negative with every row sum <= rows_in
 // and every column sum <= rows_out, else what is wrong.
 std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,
                          int64_t rows_out);
 
+// Why StagedPlanner::BuildRank failed (kNone: it did not).
+enum class PlanFailure : int { kNone, kTraffic, kWorkspace, kInternal };
+struct PlanStatus {
+  PlanFailure failure = PlanFailure::kNone;
+  std::string message;
+  bool ok() const { return failure == PlanFailure::kNone; }
+};
+
 // Traffic matrix -> one rank's program, with buffers kept between calls
 // (one per thread: the CUDA custom call keeps a thread_local one).
 class StagedPlanner {
  public:
-  // Checks the traffic against the buffer sizes, schedules and plans.
+  // One rank's program, as that rank builds it (every rank decides alike:
+  // the traffic check and the workspace decision use only what all ranks
+  // share).  With ws_rows >= WorkspaceBound no rank can run out of
+  // workspace, so only `rank`'s per-GPU schedule is built and planned
+  // (RankPlanner); a smaller workspace needs every rank's use, so the whole
+  // plan is built and fails on every rank when some rank needs more.
   // traffic: row-major int32 or int64 [G * G], G = num_servers * M.
+  template <typename Count>
+  PlanStatus BuildRank(const Count* traffic, int num_servers,
+                       int gpus_per_server, int64_t rows_in, int64_t rows_out,
+                       int64_t ws_rows, int rank, RankProgram* out) {
+    if (num_servers < 1 || gpus_per_server < 1) {
+      return {PlanFailure::kTraffic,
+              "num_servers and gpus_per_server must be >= 1"};
+    }
+    const int64_t g = static_cast<int64_t>(num_servers) * gpus_per_server;
+    traffic_.assign(traffic, traffic + g * g);
+    return BuildRankOwned(num_servers, gpus_per_server, rows_in, rows_out,
+                          ws_rows, rank, out);
+  }
+
+  // The whole plan (every rank's ops): checks the traffic against the
+  // buffer sizes, schedules and plans.
   template <typename Count>
   std::string Build(const Count* traffic, int num_servers, int gpus_per_server,
                     int64_t rows_in, int64_t rows_out) {
@@ -131,11 +248,17 @@ class StagedPlanner {
  private:
   std::string BuildOwned(int num_servers, int gpus_per_server,
                          int64_t rows_in, int64_t rows_out);
+  PlanStatus BuildRankOwned(int num_servers, int gpus_per_server,
+                            int64_t rows_in, int64_t rows_out, int64_t ws_rows,
+                            int rank, RankProgram* out);
+  PlanStatus WholePlanForRank(int num_servers, int gpus_per_server,
+                              int64_t ws_rows, int rank, RankProgram* out);
   std::vector<int64_t> traffic_;
   FastScheduler scheduler_;
   FastSchedule schedule_;
   ExecutionPlanner planner_;
   ExecutionPlan plan_;
+  RankPlanner rank_planner_;
 };
 
 }  // namespace moe_jax::fast

@@ -215,12 +215,6 @@ std::string SimulateExecution(const int64_t* traffic, int num_servers,
   if (rows_in < 0 || rows_out < 0 || ws_rows < 0) {
     return "rows_in, rows_out and ws_rows must be >= 0";
   }
-  StagedPlanner planner;
-  if (std::string err = planner.Build(traffic, num_servers, gpus_per_server,
-                                      rows_in, rows_out);
-      !err.empty()) {
-    return err;
-  }
   World w;
   w.g = num_servers * gpus_per_server;
   w.row_bytes = row_bytes;
@@ -228,10 +222,15 @@ std::string SimulateExecution(const int64_t* traffic, int num_servers,
   w.rows_out = rows_out;
   w.ws_rows = ws_rows;
   const int g = w.g;
+  // Each rank builds its own program, as on the GPUs.
+  StagedPlanner planner;
   std::vector<RankProgram> progs(g);
   for (int r = 0; r < g; ++r) {
-    if (std::string err = planner.ForRank(r, ws_rows, &progs[r]); !err.empty()) {
-      return err;
+    if (PlanStatus s = planner.BuildRank(traffic, num_servers, gpus_per_server,
+                                         rows_in, rows_out, ws_rows, r,
+                                         &progs[r]);
+        !s.ok()) {
+      return s.message;
     }
     const size_t in_bytes = static_cast<size_t>(rows_in * row_bytes);
     w.x.emplace_back(x + r * in_bytes, x + (r + 1) * in_bytes);
@@ -244,12 +243,12 @@ std::string SimulateExecution(const int64_t* traffic, int num_servers,
   }
   w.sends.assign(static_cast<size_t>(g) * g, {});
   w.recvs.assign(static_cast<size_t>(g) * g, {});
-  const int phases = planner.plan().num_phases;
+  const int phases = g > 0 ? progs[0].num_phases() : 0;
   for (int r = 0; r < g; ++r) {
     SimTransport t(&w, r);
     if (progs[r].num_phases() != phases) {
       return "rank " + std::to_string(r) + " has " +
-             std::to_string(progs[r].num_phases()) + " phases, the plan " +
+             std::to_string(progs[r].num_phases()) + " phases, rank 0 " +
              std::to_string(phases);
     }
     if (std::string err = IssueZeroFill(progs[r], rows_out, t); !err.empty()) {

@@ -1,6 +1,7 @@
 // CPU simulation of the staged all-to-all as the CUDA custom call issues it.
 //
-// Every rank's program (plan.h) goes through issue.h with an in-memory
+// Every rank builds its program as on the GPUs (StagedPlanner::BuildRank,
+// plan.h) and issues it through issue.h with an in-memory
 // transport that behaves like NCCL point-to-point inside groups: the k-th
 // send from a to b in a phase pairs with the k-th receive at b from a, and
 // their sizes must agree.  It also fails on what NCCL or the GPU would not

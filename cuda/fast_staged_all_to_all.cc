@@ -148,37 +148,6 @@ ffi::Error CheckBuffers(const ffi::AnyBuffer& x, const ffi::AnyBuffer& traffic,
   return ffi::Error::Success();
 }
 
-// Every op of the plan (all ranks: the decision must be the same
-// everywhere, or the ranks that go on would wait for the ones that stop)
-// stays inside buffers of these sizes.
-ffi::Error CheckPlan(const fast::ExecutionPlan& plan, const Sizes& s) {
-  for (int64_t g = 0; g < static_cast<int64_t>(plan.workspace_used.size()); ++g) {
-    if (plan.workspace_used[g] > s.ws_rows) {
-      return ffi::Error::InvalidArgument(Prefixed(
-          "rank " + std::to_string(g) + " needs " +
-          std::to_string(plan.workspace_used[g]) +
-          " workspace rows, the workspace result has " +
-          std::to_string(s.ws_rows)));
-    }
-  }
-  for (int64_t i = 0; i < plan.num_ops(); ++i) {
-    const int64_t* op = plan.ops.data() + i * fast::kOpCols;
-    const int64_t rows = op[fast::kOpRows];
-    const int64_t src_size =
-        op[fast::kOpSrcBuf] == fast::kBufWs ? s.ws_rows : s.rows_in;
-    const int64_t dst_size =
-        op[fast::kOpDstBuf] == fast::kBufWs ? s.ws_rows : s.rows_out;
-    if (rows < 1 || op[fast::kOpSrcRow] < 0 ||
-        op[fast::kOpSrcRow] + rows > src_size || op[fast::kOpDstRow] < 0 ||
-        op[fast::kOpDstRow] + rows > dst_size) {
-      return ffi::Error::Internal(Prefixed(
-          "internal error: plan op " + std::to_string(i) +
-          " falls outside the buffers"));
-    }
-  }
-  return ffi::Error::Success();
-}
-
 //===----------------------------------------------------------------------===//
 // Transport: NCCL and CUDA on XLA's stream (issue.h's interface)
 //===----------------------------------------------------------------------===//
@@ -347,18 +316,24 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
     return ffi::Error::Internal(CudaText("cudaStreamSynchronize", err));
   }
 
-  if (std::string err = st.planner.Build(
-          st.traffic.data(), static_cast<int>(num_servers),
-          static_cast<int>(gpus_per_server), sizes.rows_in, sizes.rows_out);
-      !err.empty()) {
-    return ffi::Error::InvalidArgument(Prefixed("operand `traffic`: " + err));
-  }
-  if (ffi::Error err = CheckPlan(st.planner.plan(), sizes); err.failure()) {
-    return err;
-  }
-  if (std::string err = st.planner.ForRank(rank, sizes.ws_rows, &st.program);
-      !err.empty()) {
-    return ffi::Error::Internal(Prefixed(err));
+  // This rank's program: from its per-GPU schedule with a workspace of the
+  // proven bound, else from the whole plan, so that a workspace too small
+  // for any rank fails on every rank alike (no rank waits in NCCL for one
+  // that stopped).
+  const fast::PlanStatus planned = st.planner.BuildRank(
+      st.traffic.data(), static_cast<int>(num_servers),
+      static_cast<int>(gpus_per_server), sizes.rows_in, sizes.rows_out,
+      sizes.ws_rows, rank, &st.program);
+  switch (planned.failure) {
+    case fast::PlanFailure::kNone:
+      break;
+    case fast::PlanFailure::kTraffic:
+      return ffi::Error::InvalidArgument(
+          Prefixed("operand `traffic`: " + planned.message));
+    case fast::PlanFailure::kWorkspace:
+      return ffi::Error::InvalidArgument(Prefixed(planned.message));
+    case fast::PlanFailure::kInternal:
+      return ffi::Error::Internal(Prefixed(planned.message));
   }
   if (sizes.row_bytes == 0) return ffi::Error::Success();  // nothing to move
 

@@ -57,6 +57,31 @@ def buffer_cases(draw, max_servers=4, max_gpus_per_server=4):
   return t, n, m, rows_in, rows_out
 
 
+@st.composite
+def rank_program_cases(draw):
+  """(traffic, n, m): 1-6 servers x 1-8 GPUs; uniform, Zipf (0.4-0.9, over
+  all entries or within each row), sparse random, or one hot sender and one
+  hot receiver (their flows split over many balancing lanes)."""
+  n = draw(st.integers(1, 6))
+  m = draw(st.integers(1, 8))
+  rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+  kind = draw(st.sampled_from(["uniform", "zipf", "zipf_row", "sparse", "hot"]))
+  g = n * m
+  if kind == "uniform":
+    t = workloads.uniform_matrix(rng, g, mean=draw(st.sampled_from([1, 5, 100])))
+  elif kind in ("zipf", "zipf_row"):
+    t = workloads.zipf_matrix(rng, g, draw(st.floats(0.4, 0.9)),
+                              mean=draw(st.sampled_from([3, 50, 1000])),
+                              scope="row" if kind == "zipf_row" else "global")
+  elif kind == "sparse":
+    t = rng.integers(0, 20, (g, g)) * (rng.random((g, g)) < 0.15)
+  else:
+    t = rng.integers(0, 5, (g, g))
+    t[rng.integers(g), :] += 500
+    t[:, rng.integers(g)] += 300
+  return t.astype(np.int64), n, m
+
+
 def expected_out(traffic, x, rows_out):
   """[G, rows_out, ...]: what a ragged all-to-all of x [G, R, ...] with this
   traffic delivers (grouped by source, zero past the received total)."""

@@ -87,6 +87,38 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int
                           int(num_servers), int(gpus_per_server))
 
 
+def rank_program(traffic, num_servers: int, gpus_per_server: int, rank: int,
+                 per_rank: bool = True) -> dict:
+  """One rank's program (xla_ffi/fast/plan.h's RankProgram).
+
+  ``per_rank``: built from the rank's per-GPU schedule alone, as the CUDA
+  custom call builds it; else extracted from the whole plan.  Returns a
+  dict: ``ops`` int64[K, 7] in issue order (kind 0 copy / 1 send / 2
+  receive, peer, rows, src buffer, src row, dst buffer, dst row; -1 on the
+  peer's side of a send or receive), ``phase_begin`` int64[P + 1] (the ops
+  of phase p are ``ops[phase_begin[p]:phase_begin[p + 1]]``),
+  ``recv_total`` and ``workspace_used``.
+  """
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  return _require().rank_program(np.ascontiguousarray(t), int(num_servers),
+                                 int(gpus_per_server), int(rank),
+                                 bool(per_rank))
+
+
+def time_rank_program(traffic, num_servers: int, gpus_per_server: int,
+                      rank: int, repeats: int,
+                      per_rank: bool = True) -> np.ndarray:
+  """float64[repeats]: C++ wall time (ns) of what the custom call computes
+  per call on ``rank``: traffic check, schedule, plan and the rank's
+  program, with buffers that just fit the traffic and the default
+  workspace; from the rank's per-GPU schedule (``per_rank``) or the whole
+  plan."""
+  t = ref._check_traffic(traffic, num_servers, gpus_per_server)
+  return _require().time_rank_program(np.ascontiguousarray(t),
+                                      int(num_servers), int(gpus_per_server),
+                                      int(rank), int(repeats), bool(per_rank))
+
+
 def simulate_execution(traffic, num_servers: int, gpus_per_server: int, x,
                        rows_out: int, ws_rows: int) -> np.ndarray:
   """Every rank's staged all-to-all program, issued as on the GPU (issue.h)

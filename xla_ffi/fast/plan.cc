@@ -37,40 +37,34 @@ std::string IndexStages(const FastSchedule& schedule, StageIndex* index) {
   return {};
 }
 
-// Calls apply(row, phase) on every row, stages in plan order: balancing
-// (phase 0); without BvN stages the intra-server part (0); else the
-// scale-out of stage 0 and the intra-server part (1), then for each BvN
-// stage k its redistribution and the scale-out of stage k + 1 (k + 2).
+// Calls apply(row, phase) on every row, stages in plan order, until it
+// returns false: balancing (phase 0); without BvN stages the intra-server
+// part (0); else the scale-out of stage 0 and the intra-server part (1),
+// then for each BvN stage k its redistribution and the scale-out of stage
+// k + 1 (k + 2).  Returns whether every call returned true.
 template <typename Apply>
-std::string RunStages(const FastSchedule& schedule, const StageIndex& index,
-                      Apply apply) {
+bool RunStages(const FastSchedule& schedule, const StageIndex& index,
+               Apply apply) {
   const int64_t* tr = schedule.transfers.data();
   const int64_t* rd = schedule.redistribution.data();
-  auto run = [&](int64_t st, int64_t phase) -> std::string {
+  auto run = [&](int64_t st, int64_t phase) {
     const int64_t* rows = st >= 3 && st % 2 ? rd : tr;
     for (int64_t i = index.begin[st]; i < index.end[st]; ++i) {
-      if (std::string err = apply(rows + i * kTransferCols, phase);
-          !err.empty()) {
-        return err;
-      }
+      if (!apply(rows + i * kTransferCols, phase)) return false;
     }
-    return {};
+    return true;
   };
   const int s = schedule.num_stages;
-  std::string err = run(0, 0);
-  if (s == 0) {
-    if (err.empty()) err = run(1, 0);
-    return err;
-  }
-  if (err.empty()) err = run(2, 1);
-  if (err.empty()) err = run(1, 1);
-  for (int k = 0; k < s && err.empty(); ++k) {
-    err = run(3 + 2 * static_cast<int64_t>(k), k + 2);
-    if (err.empty() && k + 1 < s) {
-      err = run(2 + 2 * static_cast<int64_t>(k + 1), k + 2);
+  if (!run(0, 0)) return false;
+  if (s == 0) return run(1, 0);
+  if (!run(2, 1) || !run(1, 1)) return false;
+  for (int k = 0; k < s; ++k) {
+    if (!run(3 + 2 * static_cast<int64_t>(k), k + 2)) return false;
+    if (k + 1 < s && !run(2 + 2 * static_cast<int64_t>(k + 1), k + 2)) {
+      return false;
     }
   }
-  return err;
+  return true;
 }
 
 std::string FlowText(int64_t fs, int64_t fd) {
@@ -207,10 +201,11 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
   if (std::string err = IndexStages(schedule, &stages_); !err.empty()) {
     return err;
   }
-  std::string err =
-      RunStages(schedule, stages_, [&](const int64_t* row, int64_t phase) {
-        return Apply(row, phase, out);
-      });
+  std::string err;
+  RunStages(schedule, stages_, [&](const int64_t* row, int64_t phase) {
+    err = Apply(row, phase, out);
+    return err.empty();
+  });
   if (!err.empty()) return err;
   if (!hold_.empty()) {
     const uint64_t key = hold_.begin()->first;
@@ -279,6 +274,14 @@ std::string RankPlanner::Plan(const int64_t* traffic,
   rank_ = rank;
   server_ = rank / m_;
   traffic_ = traffic;
+  if (static_cast<int64_t>(server_of_.size()) != g_ || lane_of_[g_ - 1] != m_ - 1) {
+    server_of_.resize(g_);
+    lane_of_.resize(g_);
+    for (int64_t gpu = 0; gpu < g_; ++gpu) {
+      server_of_[gpu] = static_cast<int32_t>(gpu / m_);
+      lane_of_[gpu] = static_cast<int32_t>(gpu % m_);
+    }
+  }
   if (std::string err = IndexStages(schedule, &stages_); !err.empty()) {
     return err;
   }
@@ -305,13 +308,11 @@ std::string RankPlanner::Plan(const int64_t* traffic,
     Push(RankOpKind::kCopy, rank_, local, kBufX, send_off_[rank_], kBufOut,
          recv_off_[rank_], 0, out);
   }
-  if (std::string err = RunStages(
-          schedule, stages_,
-          [&](const int64_t* row, int64_t phase) {
-            return Apply(row, phase, out);
-          });
-      !err.empty()) {
-    return err;
+  error_.clear();
+  if (!RunStages(schedule, stages_, [&](const int64_t* row, int64_t phase) {
+        return Apply(row, phase, out);
+      })) {
+    return error_;
   }
   if (!queues_built_) BuildLaneQueues();
   for (int64_t c = 0; c < n_; ++c) {
@@ -364,23 +365,25 @@ void RankPlanner::LaneStarts(const FastSchedule& schedule) {
     const int64_t k = static_cast<int64_t>(rows.size()) / kTransferCols;
     for (int64_t i = 0; i < k; ++i, r += kTransferCols) {
       if (r[kStage] >= 2 && r[kDst] == rank_ && r[kFlowDst] == rank_) {
-        lane_row_[r[kFlowSrc] * m_ + r[kSrc] % m_] += r[kAmount];
+        lane_row_[r[kFlowSrc] * m_ + lane_of_[r[kSrc]]] += r[kAmount];
       }
     }
   };
   add(schedule.transfers);
   add(schedule.redistribution);
-  for (int64_t s = 0; s < g_; ++s) {
-    if (s / m_ == server_) continue;
-    int64_t* lanes = lane_row_.data() + s * m_;
-    const int64_t own = s % m_;
-    int64_t top = traffic_[s * g_ + rank_];
-    for (int64_t l = 0; l < m_; ++l) {
-      if (l == own) continue;
-      top -= lanes[l];
-      lanes[l] = top;
+  for (int64_t a = 0; a < n_; ++a) {
+    if (a == server_) continue;
+    for (int64_t own = 0; own < m_; ++own) {
+      const int64_t s = a * m_ + own;
+      int64_t* lanes = lane_row_.data() + s * m_;
+      int64_t top = traffic_[s * g_ + rank_];
+      for (int64_t l = 0; l < m_; ++l) {
+        if (l == own) continue;
+        top -= lanes[l];
+        lanes[l] = top;
+      }
+      lanes[own] = 0;
     }
-    lanes[own] = 0;
   }
 }
 
@@ -391,20 +394,28 @@ void RankPlanner::BuildLaneQueues() {
   queues_built_ = true;
   queue_begin_.assign(n_ + 1, 0);
   const int64_t* row = traffic_ + rank_ * g_;
-  for (int64_t d = 0; d < g_; ++d) {
-    if (d / m_ != server_ && row[d] > given_[d]) ++queue_begin_[d / m_ + 1];
+  for (int64_t c = 0; c < n_; ++c) {
+    if (c == server_) continue;
+    for (int64_t d = c * m_; d < (c + 1) * m_; ++d) {
+      queue_begin_[c + 1] += row[d] > given_[d];
+    }
   }
-  for (const Held& h : balanced_in_) ++queue_begin_[h.flow_dst / m_ + 1];
+  for (const Held& h : balanced_in_) ++queue_begin_[server_of_[h.flow_dst] + 1];
   for (int64_t c = 0; c < n_; ++c) queue_begin_[c + 1] += queue_begin_[c];
   queue_.resize(queue_begin_[n_]);
   queue_head_.assign(queue_begin_.begin(), queue_begin_.end() - 1);
-  for (int64_t d = 0; d < g_; ++d) {
-    if (d / m_ != server_ && row[d] > given_[d]) {
-      queue_[queue_head_[d / m_]++] = {rank_, d, kBufX, send_off_[d],
-                                       row[d] - given_[d], 0};
+  for (int64_t c = 0; c < n_; ++c) {
+    if (c == server_) continue;
+    for (int64_t d = c * m_; d < (c + 1) * m_; ++d) {
+      if (row[d] > given_[d]) {
+        queue_[queue_head_[c]++] = {rank_, d, kBufX, send_off_[d],
+                                    row[d] - given_[d], 0};
+      }
     }
   }
-  for (const Held& h : balanced_in_) queue_[queue_head_[h.flow_dst / m_]++] = h;
+  for (const Held& h : balanced_in_) {
+    queue_[queue_head_[server_of_[h.flow_dst]]++] = h;
+  }
   queue_head_.assign(queue_begin_.begin(), queue_begin_.end() - 1);
 }
 
@@ -414,31 +425,41 @@ void RankPlanner::Push(RankOpKind kind, int64_t peer, int64_t rows,
   while (phase_ < phase) {
     out->phase_begin[++phase_] = static_cast<int64_t>(out->ops.size());
   }
-  out->ops.push_back({kind, static_cast<int>(peer), rows, src_buf, src_row,
-                      dst_buf, dst_row});
+  // Field by field into place: a temporary built from narrow stores and
+  // copied with wide loads stalls on store forwarding.
+  RankOp& op = out->ops.emplace_back();
+  op.kind = kind;
+  op.peer = static_cast<int>(peer);
+  op.rows = rows;
+  op.src_buf = src_buf;
+  op.src_row = src_row;
+  op.dst_buf = dst_buf;
+  op.dst_row = dst_row;
 }
 
-std::string RankPlanner::Apply(const int64_t* row, int64_t phase,
-                               RankProgram* out) {
+bool RankPlanner::Fail(std::string why) {
+  error_ = "internal error: rank " + std::to_string(rank_) + " " + why;
+  return false;
+}
+
+bool RankPlanner::Apply(const int64_t* row, int64_t phase, RankProgram* out) {
   if (phase >= out->num_phases()) {
-    return "internal error: a row in phase " + std::to_string(phase) +
-           " of a program with " + std::to_string(out->num_phases());
+    return Fail("has a row in phase " + std::to_string(phase) + " of " +
+                std::to_string(out->num_phases()));
   }
   if (row[kSrc] == rank_) return Send(row, phase, out);
   if (row[kDst] == rank_) return Receive(row, phase, out);
-  return "internal error: rank " + std::to_string(rank_) +
-         "'s schedule has a row of GPUs " + std::to_string(row[kSrc]) +
-         " -> " + std::to_string(row[kDst]);
+  return Fail("has a row of GPUs " + std::to_string(row[kSrc]) + " -> " +
+              std::to_string(row[kDst]));
 }
 
-std::string RankPlanner::Send(const int64_t* row, int64_t phase,
-                              RankProgram* out) {
+bool RankPlanner::Send(const int64_t* row, int64_t phase, RankProgram* out) {
   const int64_t stage = row[kStage], peer = row[kDst], rows = row[kAmount];
   const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
   const auto lost = [&] {
-    return "internal error: rank " + std::to_string(rank_) + " sends " +
-           std::to_string(rows) + " rows of flow " + FlowText(fs, fd) +
-           " in phase " + std::to_string(phase) + " that it does not hold next";
+    return Fail("sends " + std::to_string(rows) + " rows of flow " +
+                FlowText(fs, fd) + " in phase " + std::to_string(phase) +
+                " that it does not hold next");
   };
   if (stage <= 1) {
     // Balancing gives the last rows the source still holds; the
@@ -451,12 +472,13 @@ std::string RankPlanner::Send(const int64_t* row, int64_t phase,
     }
     Push(RankOpKind::kSend, peer, rows, kBufX, send_off_[fd] + first,
          kNotMine, kNotMine, phase, out);
-    return {};
+    return true;
   }
   if (stage % 2 == 0) {  // scale-out: the head of the lane queue
     if (!queues_built_) BuildLaneQueues();
-    size_t& head = queue_head_[fd / m_];
-    if (head == queue_begin_[fd / m_ + 1]) return lost();
+    const int32_t c = server_of_[fd];
+    size_t& head = queue_head_[c];
+    if (head == queue_begin_[c + 1]) return lost();
     Held& h = queue_[head];
     if (h.flow_src != fs || h.flow_dst != fd || h.rows < rows ||
         h.ready > phase) {
@@ -467,7 +489,7 @@ std::string RankPlanner::Send(const int64_t* row, int64_t phase,
     h.row += rows;
     h.rows -= rows;
     if (h.rows == 0) ++head;
-    return {};
+    return true;
   }
   // Redistribution: the oldest scale-out piece, whole.
   if (relay_head_ == relay_.size()) return lost();
@@ -479,36 +501,40 @@ std::string RankPlanner::Send(const int64_t* row, int64_t phase,
   Push(RankOpKind::kSend, peer, rows, h.buf, h.row, kNotMine, kNotMine, phase,
        out);
   ++relay_head_;
-  return {};
+  return true;
 }
 
-std::string RankPlanner::Receive(const int64_t* row, int64_t phase,
-                                 RankProgram* out) {
+bool RankPlanner::Receive(const int64_t* row, int64_t phase,
+                          RankProgram* out) {
   const int64_t stage = row[kStage], peer = row[kSrc], rows = row[kAmount];
   const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
   const bool scale_out = stage >= 2 && stage % 2 == 0;
   if (fd == rank_ && stage != 0) {
     int64_t first = 0;  // the intra-server part brings the whole flow
     if (stage >= 2) {
-      int64_t& next = lane_row_[fs * m_ + peer % m_];
+      int64_t& next = lane_row_[fs * m_ + lane_of_[peer]];
       first = next;
       next += rows;
     }
     Push(RankOpKind::kRecv, peer, rows, kNotMine, kNotMine, kBufOut,
          recv_off_[fs] + first, phase, out);
-    return {};
+    return true;
   }
   if (fd == rank_ || !(stage == 0 || scale_out)) {
-    return "internal error: rank " + std::to_string(rank_) +
-           " receives rows of flow " + FlowText(fs, fd) + " in stage " +
-           std::to_string(stage);
+    return Fail("receives rows of flow " + FlowText(fs, fd) + " in stage " +
+                std::to_string(stage));
   }
   Push(RankOpKind::kRecv, peer, rows, kNotMine, kNotMine, kBufWs, bump_, phase,
        out);
-  (stage == 0 ? balanced_in_ : relay_)
-      .push_back({fs, fd, kBufWs, bump_, rows, phase + 1});
+  Held& h = (stage == 0 ? balanced_in_ : relay_).emplace_back();
+  h.flow_src = fs;
+  h.flow_dst = fd;
+  h.buf = kBufWs;
+  h.row = bump_;
+  h.rows = rows;
+  h.ready = phase + 1;
   bump_ += rows;
-  return {};
+  return true;
 }
 
 std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,

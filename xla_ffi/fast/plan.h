@@ -153,16 +153,21 @@ class RankPlanner {
   void Offsets();
   void LaneStarts(const FastSchedule& schedule);
   void BuildLaneQueues();
-  std::string Apply(const int64_t* row, int64_t phase, RankProgram* out);
-  std::string Send(const int64_t* row, int64_t phase, RankProgram* out);
-  std::string Receive(const int64_t* row, int64_t phase, RankProgram* out);
+  // Apply, Send and Receive return false after Fail set error_.
+  bool Apply(const int64_t* row, int64_t phase, RankProgram* out);
+  bool Send(const int64_t* row, int64_t phase, RankProgram* out);
+  bool Receive(const int64_t* row, int64_t phase, RankProgram* out);
+  bool Fail(std::string why);
   void Push(RankOpKind kind, int64_t peer, int64_t rows, int64_t src_buf,
             int64_t src_row, int64_t dst_buf, int64_t dst_row, int64_t phase,
             RankProgram* out);
 
   int64_t g_ = 0, m_ = 0, n_ = 0, rank_ = 0, server_ = 0;
   const int64_t* traffic_ = nullptr;
+  // Server and local index of each GPU (no divisions per row).
+  std::vector<int32_t> server_of_, lane_of_;
   StageIndex stages_;
+  std::string error_;
   bool queues_built_ = false;
   std::vector<int64_t> send_off_;   // [G] first x row of flow (rank, d)
   std::vector<int64_t> recv_off_;   // [G] first out row of flow (s, rank)

@@ -7,9 +7,12 @@
 Part 1 times ``moe_jax._fast`` (C++ scheduler, buffers reused between runs as
 in a serving loop) at 8 GPUs per server on uniform and Zipf matrices: the
 median over fresh matrices of the per-run wall time, for the server-level
-schedule only (padding + Birkhoff-von Neumann + per-stage sizes) and for the
-full schedule (every transfer with its original flow), next to the FAST
-paper's numbers (Xeon Platinum 8468; NSDI '26, section 4.4 / Figure 16).
+schedule only (padding + Birkhoff-von Neumann + per-stage sizes), for one
+GPU's schedule, for the full schedule (every transfer with its original
+flow), and for what the CUDA custom call computes per call on one rank
+(StagedPlanner: traffic check, schedule, plan, the rank's program), from the
+rank's per-GPU schedule and through the whole plan, next to the FAST paper's
+numbers (Xeon Platinum 8468; NSDI '26, section 4.4 / Figure 16).
 
 Part 2 simulates (moe_jax.fast.simulator, alpha-beta per link) FAST,
 SpreadOut and a direct all-to-all against the paper's bound (infinitely fast
@@ -43,6 +46,9 @@ flags.DEFINE_list("sim_gpus", ["32", "64", "96", "128", "192", "256", "320"],
                   "GPU counts for the simulation (8 per server); empty: no "
                   "simulation.")
 flags.DEFINE_integer("gpus_per_server", 8, "GPUs per server.")
+flags.DEFINE_integer("whole_plan_max_gpus", 96,
+                     "Largest GPU count at which the rank program is also "
+                     "timed through the whole plan (slow above).")
 flags.DEFINE_integer("matrices", 5, "Fresh matrices per runtime configuration.")
 flags.DEFINE_float("seconds_per_config", 1.5,
                    "Approximate timing budget per runtime configuration.")
@@ -87,6 +93,21 @@ def _meta(extra):
       jax=jax.__version__, **extra)
 
 
+def _time(timer, mats):
+  """Median and spread (us) of timer(matrix, repeats) over the matrices,
+  repeats calibrated so that all of them take about the budget."""
+  t0 = time.perf_counter()
+  timer(mats[0], 1)
+  one = max(time.perf_counter() - t0, 1e-7)
+  reps = int(np.clip(FLAGS.seconds_per_config / 2 / len(mats) / one, 5,
+                     FLAGS.max_repeats))
+  samples = np.concatenate([timer(t, reps) for t in mats]) / 1e3
+  return dict(median_us=float(np.median(samples)),
+              p10_us=float(np.percentile(samples, 10)),
+              p90_us=float(np.percentile(samples, 90)),
+              runs=int(samples.size))
+
+
 def run_runtime(rng):
   m = FLAGS.gpus_per_server
   results = []
@@ -96,20 +117,17 @@ def run_runtime(rng):
       mats = [_workload(rng, kind, g, 1000.0) for _ in range(FLAGS.matrices)]
       row = dict(gpus=g, servers=n, workload=kind,
                  paper_us=PAPER_US.get(g))
-      for mode, full, gpu in (("server_level", False, -1),
-                              ("per_gpu", True, 0), ("full", True, -1)):
-        # Calibrate repeats so each configuration takes about the budget.
-        t0 = time.perf_counter()
-        cpp.time_schedule(mats[0], n, m, 1, full, gpu)
-        one = max(time.perf_counter() - t0, 1e-7)
-        reps = int(np.clip(FLAGS.seconds_per_config / 2 / len(mats) / one, 5,
-                           FLAGS.max_repeats))
-        samples = np.concatenate(
-            [cpp.time_schedule(t, n, m, reps, full, gpu) for t in mats]) / 1e3
-        row[mode] = dict(median_us=float(np.median(samples)),
-                         p10_us=float(np.percentile(samples, 10)),
-                         p90_us=float(np.percentile(samples, 90)),
-                         runs=int(samples.size))
+      timers = {
+          "server_level": lambda t, k: cpp.time_schedule(t, n, m, k, False),
+          "per_gpu": lambda t, k: cpp.time_schedule(t, n, m, k, True, 0),
+          "full": lambda t, k: cpp.time_schedule(t, n, m, k, True),
+          "rank_program": lambda t, k: cpp.time_rank_program(t, n, m, 0, k),
+      }
+      if g <= FLAGS.whole_plan_max_gpus:
+        timers["rank_program_whole_plan"] = (
+            lambda t, k: cpp.time_rank_program(t, n, m, 0, k, per_rank=False))
+      for mode, timer in timers.items():
+        row[mode] = _time(timer, mats)
       d = cpp.schedule_arrays(mats[0], n, m, True)
       row["bvn_stages"] = int(d["weights"].shape[0])
       row["transfers"] = int(d["transfers"].shape[0] +
@@ -118,7 +136,9 @@ def run_runtime(rng):
       print(f"runtime G={g} {kind}: server-level "
             f"{row['server_level']['median_us']:.1f} us, per-GPU "
             f"{row['per_gpu']['median_us']:.1f} us, full "
-            f"{row['full']['median_us']:.1f} us, paper {row['paper_us']}",
+            f"{row['full']['median_us']:.1f} us, rank program "
+            f"{row['rank_program']['median_us']:.1f} us, paper "
+            f"{row['paper_us']}",
             flush=True)
   return results
 
@@ -142,14 +162,22 @@ def write_runtime(results, meta):
            "executes; each rank computes its own); `full`: every transfer of "
            "every GPU (balance, intra, scale-out, redistribution) with its "
            "original (src, dst) flow",
+           "- `rank program`: what the CUDA custom call computes per call on "
+           "rank 0 (`StagedPlanner::BuildRank`: traffic check, rank 0's "
+           "per-GPU schedule, its program; buffers that just hold the "
+           "traffic, default workspace); `rank program, whole plan`: the "
+           "same program through the full schedule and every rank's plan "
+           "(what the custom call ran before; only up to "
+           f"{FLAGS.whole_plan_max_gpus} GPUs)",
            "- paper: FAST (NSDI '26) section 4.4 / Figure 16, Xeon Platinum "
            "8468; its 16-GPU number is from the SyCCL comparison", "",
            "| GPUs | workload | BvN stages | transfers (all GPUs) | "
            "server-level (us) | per-GPU (us) | full (us) | full p90 (us) | "
+           "rank program (us) | rank program, whole plan (us) | "
            "paper (us) | paper / server-level | paper / per-GPU | "
            "paper / full |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-           "| --- |"]
+           "| --- | --- | --- |"]
   for r in results:
     p = r["paper_us"]
     sl, pg, fu = (r[k]["median_us"] for k in ("server_level", "per_gpu",
@@ -158,10 +186,14 @@ def write_runtime(results, meta):
     def ratio(x):
       return "—" if p is None else f"{p / x:.1f}x"
 
+    whole = r.get("rank_program_whole_plan")
+    whole_us = "—" if whole is None else f"{whole['median_us']:.1f}"
     lines.append(
         f"| {r['gpus']} | {r['workload']} | {r['bvn_stages']} | "
         f"{r['transfers']} | {sl:.1f} | {pg:.1f} | {fu:.1f} | "
-        f"{r['full']['p90_us']:.1f} | {'—' if p is None else p} | "
+        f"{r['full']['p90_us']:.1f} | {r['rank_program']['median_us']:.1f} | "
+        f"{whole_us} | "
+        f"{'—' if p is None else p} | "
         f"{ratio(sl)} | {ratio(pg)} | {ratio(fu)} |")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")

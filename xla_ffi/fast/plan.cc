@@ -537,8 +537,9 @@ bool RankPlanner::Receive(const int64_t* row, int64_t phase,
   return true;
 }
 
-std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,
-                         int64_t rows_out) {
+// What CheckTraffic reports, found entry by entry.
+static std::string TrafficError(const int64_t* traffic, int64_t g,
+                                int64_t rows_in, int64_t rows_out) {
   for (int64_t s = 0; s < g; ++s) {
     int64_t sum = 0;
     for (int64_t d = 0; d < g; ++d) {
@@ -563,6 +564,28 @@ std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,
     }
   }
   return {};
+}
+
+std::string CheckTraffic(const int64_t* traffic, int64_t g, int64_t rows_in,
+                         int64_t rows_out) {
+  // One pass in memory order (column sums in an accumulator); the message,
+  // if any, comes from the slower TrafficError.
+  std::vector<int64_t> cols(g, 0);
+  int64_t sign = 0;
+  bool fits = true;
+  for (int64_t s = 0; s < g; ++s) {
+    const int64_t* row = traffic + s * g;
+    int64_t sum = 0;
+    for (int64_t d = 0; d < g; ++d) {
+      sum += row[d];
+      cols[d] += row[d];
+      sign |= row[d];
+    }
+    fits &= sum <= rows_in;
+  }
+  for (int64_t d = 0; d < g; ++d) fits &= cols[d] <= rows_out;
+  if (sign >= 0 && fits) return {};
+  return TrafficError(traffic, g, rows_in, rows_out);
 }
 
 std::string StagedPlanner::BuildOwned(int num_servers, int gpus_per_server,

@@ -66,23 +66,33 @@ FastScheduler& Scheduler() {
   return s;
 }
 
-// One rank's program: built from its per-GPU schedule as the custom call
-// does (per_rank), or extracted from the whole plan.  No buffer limits.
-std::string RankProgramOf(const Matrix& traffic, int num_servers,
-                          int gpus_per_server, int rank, bool per_rank,
-                          moe_jax::fast::RankProgram* out) {
+// One rank's program with these buffer rows: built from its per-GPU
+// schedule as the custom call does (per_rank), or extracted from the whole
+// plan.
+std::string ProgramWith(const Matrix& traffic, int num_servers,
+                        int gpus_per_server, int rank, bool per_rank,
+                        int64_t rows_in, int64_t rows_out, int64_t ws_rows,
+                        moe_jax::fast::RankProgram* out) {
   moe_jax::fast::StagedPlanner& p = Planner();
   if (per_rank) {
-    return p.BuildRank(traffic.data(), num_servers, gpus_per_server,
-                       INT64_MAX, INT64_MAX, INT64_MAX, rank, out)
+    return p.BuildRank(traffic.data(), num_servers, gpus_per_server, rows_in,
+                       rows_out, ws_rows, rank, out)
         .message;
   }
   if (std::string err = p.Build(traffic.data(), num_servers, gpus_per_server,
-                                INT64_MAX, INT64_MAX);
+                                rows_in, rows_out);
       !err.empty()) {
     return err;
   }
-  return p.ForRank(rank, INT64_MAX, out);
+  return p.ForRank(rank, ws_rows, out);
+}
+
+// The same without buffer limits.
+std::string RankProgramOf(const Matrix& traffic, int num_servers,
+                          int gpus_per_server, int rank, bool per_rank,
+                          moe_jax::fast::RankProgram* out) {
+  return ProgramWith(traffic, num_servers, gpus_per_server, rank, per_rank,
+                     INT64_MAX, INT64_MAX, INT64_MAX, out);
 }
 
 // Rows of the smallest buffers that hold the traffic: {rows_in, rows_out}.
@@ -111,18 +121,8 @@ std::string TimedRankProgram(const Matrix& traffic, int num_servers,
                              moe_jax::fast::RankProgram* out) {
   const int64_t ws_rows = moe_jax::fast::WorkspaceBound(
       rows_in, rows_out, num_servers, gpus_per_server);
-  moe_jax::fast::StagedPlanner& p = Planner();
-  if (per_rank) {
-    return p.BuildRank(traffic.data(), num_servers, gpus_per_server, rows_in,
-                       rows_out, ws_rows, rank, out)
-        .message;
-  }
-  if (std::string err = p.Build(traffic.data(), num_servers, gpus_per_server,
-                                rows_in, rows_out);
-      !err.empty()) {
-    return err;
-  }
-  return p.ForRank(rank, ws_rows, out);
+  return ProgramWith(traffic, num_servers, gpus_per_server, rank, per_rank,
+                     rows_in, rows_out, ws_rows, out);
 }
 
 }  // namespace

@@ -1,21 +1,21 @@
 // Kernels of the count-aware NVLink channel (nvlink_channel.h).
 //
 // Synchronization: every block of a sender stores its share of the rows
-// into the peers' buffers, fences at system scope and raises each peer's
-// arrival counter for this rank with a release reduction; the blocks' adds
+// into the peers' buffers and raises each peer's arrival counter for this
+// rank with a release reduction (after a block barrier); the blocks' adds
 // sum to kSignalUnit per call (block 0 adds kSignalUnit - blocks + 1, the
 // others 1), so the counter reaches (call index + 1) * kSignalUnit exactly
 // when every block has signalled, whatever the grid. A receiver's threads
 // wait on every peer's counter in parallel (acquire loads), and the block
 // barrier orders the row reads after the waits; rows are read with
-// L2-coherent loads. Receivers acknowledge lazily: every kernel that starts
-// a send (plan, combine send, the fused kernels) first publishes, with a
-// release max on each peer's ack slot for this rank, how many dispatch and
+// L2-coherent loads. Receivers acknowledge lazily: every kernel that sends
+// (dispatch send, combine send, the fused kernels) first publishes, with a
+// relaxed max on each peer's ack slot for this rank, how many dispatch and
 // combine receives this rank has finished (all earlier kernels on the
-// stream are done). A sender waits for that ack before reusing a parity two
-// calls later. Call indices (epochs) live on the device: each block reads
-// them at its start and counts itself on a tally at its end, and the last
-// block advances them, so graph replays need no host-side state.
+// stream are done), then waits for its peers' acks before reusing a parity
+// two calls later. Call indices (epochs) live on the device: each block
+// reads them at its start and counts itself on a tally, and the last block
+// to count advances them, so graph replays need no host-side state.
 //
 // Dispatch moves each token once per destination rank (however many of its
 // picks live there), at its token index in that rank's staging, and an

@@ -57,6 +57,13 @@ class MoEConfig:
       kernel_impl: "custom_call" runs pack/combine as XLA FFI custom calls,
         "reference" runs their pure-JAX references instead.
       expert_axis: name of the mesh axis experts are sharded over.
+      data_axes: further mesh axes the tokens are split over (data
+        parallelism: e.g. ("data",) on a ("data", "ep") mesh). Each
+        combination of their indices is an independent expert-parallel
+        group along expert_axis with a full copy of the experts (expert
+        weights are replicated over data_axes); tokens never cross them.
+        The layer's losses and DispatchStats cover all groups. A string
+        stands for a one-axis tuple.
       router: "softmax" (Mixtral top-k softmax) or "sigmoid_grouped"
         (DeepSeek-V3 sigmoid scores with group-limited selection).
       num_groups / topk_groups: expert groups and groups kept per token for
@@ -84,6 +91,7 @@ class MoEConfig:
     transport: str = "lax"
     kernel_impl: str = "custom_call"
     expert_axis: str = "ep"
+    data_axes: tuple[str, ...] = ()
     router: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
@@ -130,6 +138,17 @@ class MoEConfig:
                      "spill_capacity", f"must be an integer >= 0, got {self.spill_capacity!r}")
         _require(isinstance(self.expert_axis, str) and self.expert_axis != "", "expert_axis",
                  "must be a mesh axis name")
+        data_axes = self.data_axes
+        if isinstance(data_axes, str):
+            data_axes = (data_axes,)
+        _require(isinstance(data_axes, (tuple, list))
+                 and all(isinstance(a, str) and a for a in data_axes),
+                 "data_axes", f"must be a tuple of mesh axis names, got {self.data_axes!r}")
+        data_axes = tuple(data_axes)
+        _require(len(set(data_axes)) == len(data_axes) and self.expert_axis not in data_axes,
+                 "data_axes", f"must name distinct axes other than expert_axis="
+                 f"{self.expert_axis!r}, got {data_axes}")
+        object.__setattr__(self, "data_axes", data_axes)
         if self.router == "sigmoid_grouped":
             _require(self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
                      "num_groups", f"must divide num_experts={self.num_experts}, "

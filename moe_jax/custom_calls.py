@@ -186,12 +186,21 @@ def combine(cap_ret, spill_ret, dest, pos, weights, *, start: int, out_dtype,
 _channel_ids = itertools.count(1)
 
 
-def _check_single_group(axis_name: str) -> None:
+def _group_index(axis_name: str) -> jax.Array:
+    """int32 index of this device's group along `axis_name`: the same for
+    every rank of one group, distinct across groups (the other mesh axes'
+    indices, row-major). The in-process rendezvous keys meetings by it."""
     mesh = jax.sharding.get_abstract_mesh()
     others = [n for n in getattr(mesh, "axis_names", ()) if n != axis_name and mesh.shape[n] > 1]
-    _check(not others, ALL_TO_ALL, "axis_name",
-           f"the CPU all-to-all custom call needs {axis_name!r} to be the only mesh axis of "
-           f"size > 1 (also found {others}); use transport='lax' or the reference")
+    auto = [n for n in others if n not in getattr(mesh, "manual_axes", ())]
+    _check(not auto, ALL_TO_ALL, "axis_name",
+           f"the CPU all-to-all custom call runs one group per combination of the other mesh "
+           f"axes, which must be manual in the enclosing shard_map; {auto} are not (call "
+           f"shard_map over the whole mesh, or use transport='lax' or the reference)")
+    group = jnp.zeros((), jnp.int32)
+    for name in others:
+        group = group * mesh.shape[name] + jax.lax.axis_index(name).astype(jnp.int32)
+    return group
 
 
 def ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, *, recv_rows: int,
@@ -222,12 +231,13 @@ def ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, *, recv_rows
         return refs.ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets,
                                       recv_rows, axis_name=axis_name)
     _require_handlers(ALL_TO_ALL, "cpu")
-    _check_single_group(axis_name)
+    group = _group_index(axis_name)
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
     out_types = (jax.ShapeDtypeStruct((recv_rows,) + send.shape[1:], send.dtype),
                  jax.ShapeDtypeStruct((num_ranks,), jnp.int32))
-    attrs = dict(channel_id=np.int64(next(_channel_ids)), group_key=np.int64(0))
-    return _call_ffi(ALL_TO_ALL, out_types, (send, send_offsets, send_sizes, recv_offsets, rank),
+    attrs = dict(channel_id=np.int64(next(_channel_ids)))
+    return _call_ffi(ALL_TO_ALL, out_types,
+                     (send, send_offsets, send_sizes, recv_offsets, rank, group),
                      attrs, extra_axes=(axis_name,), has_side_effect=True)
 
 

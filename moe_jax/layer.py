@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -67,17 +68,17 @@ def _is_explicit(mesh) -> bool:
                                     for t in mesh.axis_types)
 
 
-def _flatten(x: jax.Array, mesh, axis: str | None) -> jax.Array:
-    """[..., H] -> [tokens, H], split over `axis` on explicit meshes."""
+def _flatten(x: jax.Array, mesh, token_spec: P) -> jax.Array:
+    """[..., H] -> [tokens, H], split as token_spec on explicit meshes."""
     shape = (-1, x.shape[-1])
     if _is_explicit(mesh) and x.ndim != 2:
-        spec = P(axis) if axis is not None else P()
         return jax.lax.reshape(x, (x.size // x.shape[-1], x.shape[-1]),
-                               out_sharding=NamedSharding(mesh, spec))
+                               out_sharding=NamedSharding(mesh, token_spec))
     return x.reshape(shape)
 
 
-def _unflatten(out: jax.Array, like: jax.Array, mesh=None, axis: str | None = None):
+def _unflatten(out: jax.Array, like: jax.Array, mesh=None, token_spec: P = P(),
+               token_ranks: int = 1):
     """[tokens, H] -> the shape of `like`, keeping an explicit mesh's types valid."""
     if out.shape == like.shape:
         return out
@@ -85,7 +86,7 @@ def _unflatten(out: jax.Array, like: jax.Array, mesh=None, axis: str | None = No
         return out.reshape(like.shape)
     spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
     if spec is None or getattr(jax.typeof(like).sharding.mesh, "empty", True):
-        spec = P(axis) if axis is not None and like.shape[0] % mesh.shape[axis] == 0 else P()
+        spec = token_spec if like.shape[0] % token_ranks == 0 else P()
     return jax.lax.reshape(out, like.shape, out_sharding=NamedSharding(mesh, spec))
 
 
@@ -102,9 +103,14 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
         _expert_fn(params.experts, config), strategy=config.strategy, ctx=ctx,
         experts_per_rank=params.experts.num_experts, capacity=config.capacity,
         spill_capacity=config.spill_capacity, return_delivered=return_delivered)
-    psum = ctx.psum if ctx.axis_name is not None else None
+    psum = ctx.psum_tokens if ctx.axis_name is not None else None
+    stats = result.stats
+    if ctx.data_axes:  # each group's counters (equal on its ranks), counted once
+        first = ctx.rank() == 0
+        once = lambda tree: jax.tree.map(lambda v: jnp.where(first, v, 0), tree)  # noqa: E731
+        stats = stats.over_groups(lambda t: ctx.psum_tokens(once(t)), ctx.pmax_tokens)
     aux = MoEAux(load_balancing_loss(routing, config.num_experts, psum),
-                 router_z_loss(routing, psum), result.stats, result.delivered)
+                 router_z_loss(routing, psum), stats, result.delivered)
     return result.out, aux
 
 
@@ -116,13 +122,18 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
     Args:
       params: MoEParams with E experts.
       x: [..., H] activations; the flattened tokens are split evenly over the
-        ranks of `config.expert_axis` (their count must divide by P).
+        ranks of `config.data_axes` + (`config.expert_axis`,), in that order
+        (their count must divide by the product of those axes' sizes).
       config: MoEConfig.
-      mesh: mesh holding `config.expert_axis` (not needed for "dense").
-      return_delivered: return the rows each expert received in aux.delivered.
+      mesh: mesh holding `config.expert_axis` and `config.data_axes` (not
+        needed for "dense").
+      return_delivered: return the rows each expert received in
+        aux.delivered, every rank's split over the same axes as the tokens.
     Returns:
-      (y [..., H] in config.dtype, MoEAux). Jit-compatible: static shapes, no
-      host synchronization; graph-capturable when its custom calls are.
+      (y [..., H] in config.dtype, MoEAux). The losses and stats cover every
+      token of the call, all data-parallel groups together. Jit-compatible:
+      static shapes, no host synchronization; graph-capturable when its
+      custom calls are.
     """
     if x.shape[-1] != config.hidden_size:
         raise ValueError(f"moe_layer: argument 'x' must end in hidden_size="
@@ -131,8 +142,8 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'params.router' must be "
                          f"[{config.hidden_size}, {config.num_experts}], "
                          f"got {list(params.router.shape)}")
-    tokens = _flatten(x, mesh, config.expert_axis if config.strategy != "dense" else None)
     if config.strategy == "dense":
+        tokens = _flatten(x, mesh, P())
         ctx = DispatchContext(None, 1, config.transport, config.kernel_impl, _platform(mesh))
         out, aux = _route_and_dispatch(params, tokens, config, ctx, return_delivered)
         return _unflatten(out, x, mesh), aux
@@ -141,17 +152,28 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'mesh' must have the expert axis {axis!r} "
                          f"for strategy {config.strategy!r}, got "
                          f"{None if mesh is None else mesh.axis_names}")
+    missing = [a for a in config.data_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"moe_layer: argument 'mesh' lacks the data axes {missing} of "
+                         f"MoEConfig.data_axes={config.data_axes}; its axes are "
+                         f"{mesh.axis_names}")
     num_ranks = mesh.shape[axis]
     config.experts_per_rank(num_ranks)
-    if tokens.shape[0] % num_ranks:
+    data_ranks = math.prod(mesh.shape[a] for a in config.data_axes)
+    token_axes = (*config.data_axes, axis)
+    token_spec = P(token_axes) if config.data_axes else P(axis)
+    tokens = _flatten(x, mesh, token_spec)
+    if tokens.shape[0] % (num_ranks * data_ranks):
         raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
-                         f"split evenly over the {num_ranks} ranks of axis {axis!r}")
+                         f"split evenly over the {num_ranks * data_ranks} ranks of mesh axes "
+                         f"{token_axes}")
     ctx = DispatchContext(axis, num_ranks, config.transport, config.kernel_impl,
                           _platform(mesh), tuple(mesh.devices.flat),
-                          dispatch_fp8=config.dispatch_fp8)
+                          dispatch_fp8=config.dispatch_fp8, data_axes=config.data_axes,
+                          data_ranks=data_ranks)
     expert_spec = ExpertWeights(P(axis), P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
-    delivered_spec = Delivered(P(axis), P(axis), P(axis)) if return_delivered else None
+    delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
     aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * 6), delivered_spec)
 
     def body(p, t):
@@ -159,7 +181,7 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
 
     shard = lambda spec, a: _place(a, mesh, spec)
     params = jax.tree.map(shard, param_specs, params)
-    tokens = shard(P(axis), tokens)
-    out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis)),
-                             out_specs=(P(axis), aux_spec))(params, tokens)
-    return _unflatten(out, x, mesh, axis), aux
+    tokens = shard(token_spec, tokens)
+    out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, token_spec),
+                             out_specs=(token_spec, aux_spec))(params, tokens)
+    return _unflatten(out, x, mesh, token_spec, num_ranks * data_ranks), aux

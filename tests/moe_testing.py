@@ -69,46 +69,62 @@ def needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} GPUs, found {found}")
 
 
-def mesh_of(ranks: int, backend: str = "cpu") -> jax.sharding.Mesh:
-    """A 1-D mesh "ep" over the first `ranks` devices of `backend`."""
+def mesh_of(ranks: int, backend: str = "cpu", data: int = 1) -> jax.sharding.Mesh:
+    """A 1-D mesh "ep" over the first `ranks` devices of `backend`; with
+    data > 1 a ("data", "ep") mesh of data * ranks devices."""
+    if data > 1:
+        return jax.make_mesh((data, ranks), ("data", "ep"),
+                             devices=jax.devices(backend)[:data * ranks],
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
     return jax.make_mesh((ranks,), ("ep",), devices=jax.devices(backend)[:ranks],
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
 @functools.lru_cache(maxsize=None)
 def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
-                     compute_dtype, backend):
-    mesh = mesh_of(ranks, backend)
+                     compute_dtype, backend, data):
+    mesh = mesh_of(ranks, backend, data)
+    data_axes = ("data",) if data > 1 else ()
     ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu",
-                          tuple(mesh.devices.flat))
+                          tuple(mesh.devices.flat), data_axes=data_axes, data_ranks=data)
 
     def body(x, ids, w, wg, wu, wd):
         res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
                                strategy=strategy, ctx=ctx, experts_per_rank=experts_per_rank,
                                capacity=capacity, spill_capacity=spill, return_delivered=True)
-        return res.out, res.delivered.rows, res.delivered.valid, res.stats
+        stats = jax.tree.map(lambda s: s[None], res.stats) if data > 1 else res.stats
+        return res.out, res.delivered.rows, res.delivered.valid, stats
 
-    spec = P("ep")
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6,
-                               out_specs=(spec, spec, spec, mj.DispatchStats(*(P(),) * 6))))
-    return mesh, fn
+    spec = P(("data", "ep")) if data > 1 else P("ep")
+    stats_spec = P("data") if data > 1 else P()
+    experts_spec = P("ep")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3 + (experts_spec,) * 3,
+                               out_specs=(spec, spec, spec,
+                                          mj.DispatchStats(*(stats_spec,) * 6))))
+    return mesh, fn, spec
 
 
 def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capacity=None,
                  spill=None, impl="custom_call", transport="lax", compute_dtype=jnp.float32,
-                 backend="cpu"):
-    """Runs a strategy under shard_map over `ranks` CPU devices.
+                 backend="cpu", data=1):
+    """Runs a strategy under shard_map over `ranks` CPU devices, or over
+    `data` groups of `ranks` (a ("data", "ep") mesh: tokens split over both
+    axes, data-major; experts over "ep").
 
-    Returns (out [T, H], delivered rows [ranks, R, H], valid [ranks, R], stats).
+    Returns (out [T, H], delivered rows [data * ranks, R, H], valid
+    [data * ranks, R], stats: scalars, or [data] arrays (one per group)).
     """
     num_experts = experts.w_gate.shape[0]
-    mesh, fn = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill, impl,
-                                transport, jnp.dtype(compute_dtype), backend)
-    sharding = NamedSharding(mesh, P("ep"))
-    args = [jax.device_put(a, sharding) for a in (x, ids, w, *experts)]
+    mesh, fn, spec = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill,
+                                      impl, transport, jnp.dtype(compute_dtype), backend, data)
+    tokens = NamedSharding(mesh, spec)
+    weights = NamedSharding(mesh, P("ep"))
+    args = ([jax.device_put(a, tokens) for a in (x, ids, w)]
+            + [jax.device_put(a, weights) for a in experts])
     out, rows, valid, stats = fn(*args)
-    rows = np.asarray(rows).reshape((ranks, -1) + rows.shape[1:])
-    return np.asarray(out), rows, np.asarray(valid).reshape(ranks, -1), jax.device_get(stats)
+    rows = np.asarray(rows).reshape((data * ranks, -1) + rows.shape[1:])
+    return (np.asarray(out), rows, np.asarray(valid).reshape(data * ranks, -1),
+            jax.device_get(stats))
 
 
 @functools.lru_cache(maxsize=None)

@@ -166,14 +166,14 @@ ffi::Error CombineImpl(ffi::AnyBuffer cap_ret, ffi::AnyBuffer spill_ret,
 }
 
 // ---------------------------------------------------------------------------
-// moe_jax_all_to_all(send, send_offsets, send_sizes, recv_offsets, rank;
-//                    channel_id, group_key) -> (recv, recv_sizes)
+// moe_jax_all_to_all(send, send_offsets, send_sizes, recv_offsets, rank,
+//                    group; channel_id) -> (recv, recv_sizes)
 
 ffi::Error AllToAllImpl(ffi::RunId run_id, int32_t device_ordinal,
                         ffi::AnyBuffer send, ffi::AnyBuffer send_offsets,
                         ffi::AnyBuffer send_sizes, ffi::AnyBuffer recv_offsets,
-                        ffi::AnyBuffer rank, int64_t channel_id,
-                        int64_t group_key, ffi::Result<ffi::AnyBuffer> recv,
+                        ffi::AnyBuffer rank, ffi::AnyBuffer group,
+                        int64_t channel_id, ffi::Result<ffi::AnyBuffer> recv,
                         ffi::Result<ffi::AnyBuffer> recv_sizes) {
   const auto send_dims = send.dimensions();
   const size_t elem_bytes = ffi::ByteWidth(send.element_type());
@@ -199,6 +199,10 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, int32_t device_ordinal,
     return Invalid(kAllToAll, "operand", "rank", "an int32 scalar (shape [])",
                    rank);
   }
+  if (!IsS32(group, {})) {
+    return Invalid(kAllToAll, "operand", "group", "an int32 scalar (shape [])",
+                   group);
+  }
   const auto recv_dims = recv->dimensions();
   bool recv_ok = recv->element_type() == send.element_type() &&
                  recv_dims.size() == send_dims.size();
@@ -222,7 +226,7 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, int32_t device_ordinal,
   cpu::AllToAllArgs a;
   a.key.run_id = run_id.run_id;
   a.key.channel_id = channel_id;
-  a.key.group_key = group_key;
+  a.key.group_key = *static_cast<const int32_t*>(group.untyped_data());
   a.device = device_ordinal;
   a.rank = *static_cast<const int32_t*>(rank.untyped_data());
   a.num_ranks = static_cast<int32_t>(P);
@@ -280,7 +284,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxAllToAllCpu, moe_jax::AllToAllImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // send_sizes
                                   .Arg<xla::ffi::AnyBuffer>()  // recv_offsets
                                   .Arg<xla::ffi::AnyBuffer>()  // rank
+                                  .Arg<xla::ffi::AnyBuffer>()  // group
                                   .Attr<int64_t>("channel_id")
-                                  .Attr<int64_t>("group_key")
                                   .Ret<xla::ffi::AnyBuffer>()   // recv
                                   .Ret<xla::ffi::AnyBuffer>());  // recv_sizes

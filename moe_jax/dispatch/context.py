@@ -40,6 +40,11 @@ class DispatchContext:
     mesh_devices: the mesh's devices in mesh order (needed by "nvlink").
     dispatch_fp8: "nvlink" only: dispatch e4m3 rows with per-128 scales,
       dequantized to the tokens' dtype before the expert function.
+    data_axes: further manual mesh axes the tokens are split over (data
+      parallelism); each combination of their indices is an independent
+      group of `num_ranks` ranks along axis_name. Strategies never cross
+      them; only the `*_tokens` reductions do.
+    data_ranks: product of the data_axes' sizes (1 without them).
 
     On CPU every collective a strategy issues goes through this context,
     which chains them by data dependencies into one program order. XLA:CPU runs independent operations concurrently on a
@@ -54,11 +59,14 @@ class DispatchContext:
     platform: str = "cpu"
     mesh_devices: tuple | None = None
     dispatch_fp8: bool = False
+    data_axes: tuple[str, ...] = ()
+    data_ranks: int = 1
     _chain: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def _orders_collectives(self) -> bool:
-        return self.platform == "cpu" and self.axis_name is not None and self.num_ranks > 1
+        expert_parallel = self.axis_name is not None and self.num_ranks > 1
+        return self.platform == "cpu" and (expert_parallel or self.data_ranks > 1)
 
     def start_chain(self) -> None:
         """Starts a new collective order (at the start of every traced call)."""
@@ -160,6 +168,29 @@ class DispatchContext:
         if self.axis_name is None:
             return x
         return self._collective(lambda v: jax.lax.pmax(v, self.axis_name), x)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Every axis the tokens are split over: data_axes, then axis_name."""
+        return self.data_axes + ((self.axis_name,) if self.axis_name is not None else ())
+
+    def psum_tokens(self, x):
+        """Sum over every rank holding tokens (all groups), replicated."""
+        return self._reduce(jax.lax.psum, self.token_axes, x)
+
+    def pmax_tokens(self, x):
+        """Max over every rank holding tokens (all groups), replicated."""
+        return self._reduce(jax.lax.pmax, self.token_axes, x)
+
+    def _reduce(self, op, axes: tuple[str, ...], x):
+        if not axes:
+            return x
+        def reduce(tree):
+            # Typed varying over every axis first: a reduction over several
+            # axes takes no input that varies over only some of them.
+            tree = jax.tree.map(lambda a: custom_calls._as_varying(a, frozenset(axes)), tree)
+            return op(tree, axes)
+        return self._collective(reduce, x)
 
     def pack(self, *args, **kwargs):
         return custom_calls.pack(*args, impl=self.kernel_impl, platform=self.platform, **kwargs)

@@ -27,6 +27,15 @@ class DispatchStats(NamedTuple):
     spill_steps: jax.Array
     fallback_steps: jax.Array
 
+    def over_groups(self, psum, pmax) -> "DispatchStats":
+        """One call's counters for several independent rank groups (data
+        parallelism) from each group's: row counts summed, the largest
+        stream and the step flags maxed. psum / pmax reduce over the groups."""
+        rows, spilled, overflow = psum((self.rows, self.spilled_rows, self.overflow_rows))
+        max_peer, spill, fallback = pmax((self.max_peer_rows, self.spill_steps,
+                                          self.fallback_steps))
+        return DispatchStats(rows, max_peer, spilled, overflow, spill, fallback)
+
     @staticmethod
     def zeros() -> "DispatchStats":
         return DispatchStats(*(jnp.zeros((), jnp.int32) for _ in range(6)))

@@ -14,6 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import moe_jax as mj
 from moe_jax import custom_calls
 from moe_jax.layer import init_moe_params, moe_layer
+from moe_jax.models import DecoderConfig, MixtralLinen, init_params
+from moe_jax.models.generate import generate, pad_prompts
 from moe_jax.nn import linen as moe_linen
 from moe_testing import (ROUTINGS, bits, expected_rank_rows, random_case, rel_error, run_dense,
                          run_strategy)
@@ -210,3 +212,39 @@ def test_layer_names_a_missing_data_axis_and_uneven_tokens():
         moe_layer(params, jnp.ones((8, 8)), config, _mesh(4, "ep"))
     with pytest.raises(ValueError, match=r"'x' has 12 tokens.*8 ranks of mesh axes"):
         moe_layer(params, jnp.ones((12, 8)), config, _mesh(2, "data", 4, "ep"))
+
+
+@pytest.mark.parametrize("strategy, transport", [("cap_and_spill", "lax"),
+                                                 ("ragged", "custom_call")])
+def test_decoder_generates_the_dense_tokens_on_a_data_and_expert_mesh(strategy, transport):
+    cfg = DecoderConfig.create(vocab_size=64, d_model=32, num_heads=4, num_layers=2,
+                               num_experts=8, top_k=2, ffn_size=64, max_len=16,
+                               matmul="row_invariant")
+    params = init_params(jax.random.key(0), cfg)
+    rng = np.random.default_rng(0)
+    prompts = pad_prompts([rng.integers(1, 64, size=n).tolist() for n in (3, 6, 2, 5, 6, 4, 1, 6)])
+    want = generate(MixtralLinen(cfg), params, *prompts, max_new_tokens=6).tokens
+    parallel = cfg.replace(strategy=strategy, transport=transport, capacity=1, spill_capacity=1,
+                           data_axes=("data",))
+    mesh = _mesh(2, "data", 4, "ep")
+    got = generate(MixtralLinen(parallel, mesh), params, *prompts, max_new_tokens=6)
+    np.testing.assert_array_equal(got.tokens, want)
+    assert int(got.stats.rows) > 0
+    with pytest.raises(ValueError, match=r"batch 4 does not split evenly over the 8 ranks"):
+        generate(MixtralLinen(parallel, mesh), params, prompts[0][:4], prompts[1][:4],
+                 max_new_tokens=2)
+
+
+def test_explicit_mesh_keeps_the_inputs_sharding():
+    config = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=2,
+                          strategy="ragged", transport="custom_call", matmul="row_invariant",
+                          data_axes=("data",))
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), devices=jax.devices("cpu")[:8],
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    params = init_moe_params(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (4, 16, config.hidden_size))
+    want, _ = jax.jit(lambda p, x: moe_layer(p, x, config.replace(strategy="dense")))(params, x)
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got, _ = jax.jit(lambda p, x: moe_layer(p, x, config, mesh))(params, x)
+    assert got.sharding.spec == P("data", None, None)
+    np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)))

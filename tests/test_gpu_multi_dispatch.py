@@ -1,5 +1,6 @@
-"""On 2 and 4 GPUs: every strategy and transport delivers the rows `dense`
-delivers, bit for bit; CUDA-graph replays and 2 processes stay exact."""
+"""On 2 and 4 GPUs (and a 2 x 2 data x expert mesh): every strategy and
+transport delivers the rows `dense` delivers, bit for bit; CUDA-graph
+replays and 2 processes stay exact."""
 
 import os
 import subprocess
@@ -23,49 +24,58 @@ CASES = [("max_counts", None, None), ("cap_and_spill", 1, 1), ("cap_and_spill", 
          ("ragged", None, None)]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+# (data groups, ranks per group): the 2 x 2 mesh runs one expert-parallel
+# group per data index (NCCL communicators and NVLink channels per group).
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+
+
+@pytest.mark.parametrize("data, ranks", LAYOUTS)
 @pytest.mark.parametrize("strategy, capacity, spill", CASES)
 @pytest.mark.parametrize("transport", ["lax", "custom_call", "nvlink"])
 @pytest.mark.parametrize("kind", ROUTINGS)
-def test_rows_match_dense_on_gpus(ranks, strategy, capacity, spill, transport, kind):
-    needs_gpus(ranks)
+def test_rows_match_dense_on_gpus(data, ranks, strategy, capacity, spill, transport, kind):
+    needs_gpus(data * ranks)
     if transport == "nvlink" and strategy == "max_counts":
         pytest.skip("max_counts pads by definition; the NVLink transport moves real rows")
     num_experts = 2 * ranks
-    seed = 100 * ranks + ROUTINGS.index(kind)
-    x, ids, w = random_case(seed, ranks, 24, num_experts, 2, HIDDEN, kind, jnp.bfloat16)
+    seed = 100 * ranks + 1000 * data + ROUTINGS.index(kind)
+    x, ids, w = random_case(seed, data * ranks, 24, num_experts, 2, HIDDEN, kind, jnp.bfloat16)
     experts = mj.init_expert_weights(jax.random.key(3), num_experts, HIDDEN, FFN)
-    ref_out, ref_rows, ref_sizes = run_dense(x, ids, w, experts)
     out, rows, valid, stats = run_strategy(strategy, x, ids, w, experts, ranks,
                                            capacity=capacity, spill=spill, transport=transport,
-                                           backend="gpu")
-    for rank, expected in enumerate(expected_rank_rows(ref_rows, ref_sizes, ranks)):
-        n = expected.shape[0]
-        assert valid[rank, :n].all() and not valid[rank, n:].any()
-        np.testing.assert_array_equal(bits(rows[rank, :n]), bits(expected),
-                                      err_msg=f"rank {rank}: rows differ from dense")
-    assert rel_error(out, ref_out) < 1e-2
-    assert int(stats.rows) == ids.size
+                                           backend="gpu", data=data)
+    group_tokens = 24 * ranks
+    for g in range(data):
+        part = slice(g * group_tokens, (g + 1) * group_tokens)
+        ref_out, ref_rows, ref_sizes = run_dense(x[part], ids[part], w[part], experts)
+        for r, expected in enumerate(expected_rank_rows(ref_rows, ref_sizes, ranks)):
+            rank, n = g * ranks + r, expected.shape[0]
+            assert valid[rank, :n].all() and not valid[rank, n:].any()
+            np.testing.assert_array_equal(bits(rows[rank, :n]), bits(expected),
+                                          err_msg=f"group {g} rank {r}: rows differ from dense")
+        assert rel_error(out[part], ref_out) < 1e-2
+        assert int(np.asarray(stats.rows).reshape(-1)[g]) == ids[part].size
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("data, ranks", LAYOUTS)
 @pytest.mark.parametrize("strategy, capacity, spill", CASES)
 @pytest.mark.parametrize("transport", ["lax", "custom_call", "nvlink"])
-def test_row_invariant_layer_output_is_the_dense_bits(ranks, strategy, capacity, spill,
+def test_row_invariant_layer_output_is_the_dense_bits(data, ranks, strategy, capacity, spill,
                                                       transport):
-    """With MoEConfig.matmul='row_invariant' the layer's output on `ranks`
-    GPUs is bitwise the output of 'dense' on one GPU."""
-    needs_gpus(ranks)
+    """With MoEConfig.matmul='row_invariant' the layer's output on
+    data * ranks GPUs is bitwise the output of 'dense' on one GPU."""
+    needs_gpus(data * ranks)
     if transport == "nvlink" and strategy == "max_counts":
         pytest.skip("max_counts pads by definition; the NVLink transport moves real rows")
     config = mj.MoEConfig(hidden_size=HIDDEN, ffn_size=FFN, num_experts=2 * ranks, top_k=2,
                           strategy=strategy, capacity=capacity, spill_capacity=spill,
-                          transport=transport, matmul="row_invariant")
+                          transport=transport, matmul="row_invariant",
+                          data_axes=("data",) if data > 1 else ())
     params = mj.init_moe_params(jax.random.key(7), config)
-    x = jax.random.normal(jax.random.key(8 + ranks), (2, 24 * ranks, HIDDEN))
+    x = jax.random.normal(jax.random.key(8 + ranks), (2, 24 * ranks * data, HIDDEN))
     dense = config.replace(strategy="dense", transport="lax")
     want = jax.jit(lambda p, x: mj.moe_layer(p, x, dense)[0])(params, x)
-    mesh = mesh_of(ranks, "gpu")
+    mesh = mesh_of(ranks, "gpu", data)
     got = jax.jit(lambda p, x: mj.moe_layer(p, x, config, mesh)[0])(params, x)
     np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
 

@@ -257,9 +257,12 @@ def prepare_generation(model: MixtralLinen | MixtralNnx, params: Any, prompt_tok
     ranks = mesh.shape[axis] if mesh is not None and axis in mesh.axis_names else 1
     if cfg.moe.strategy != "dense" and ranks > 1:
         cfg.moe.experts_per_rank(ranks)  # raises naming num_experts
-    if batch % ranks:
+    token_axes = (*cfg.moe.data_axes, axis) if cfg.moe.strategy != "dense" else (axis,)
+    split = [a for a in token_axes if mesh is not None and a in mesh.axis_names]
+    token_ranks = int(np.prod([mesh.shape[a] for a in split])) if split else 1
+    if batch % token_ranks:
         raise ValueError(f"prompt_tokens: batch {batch} does not split evenly over the "
-                         f"{ranks} ranks of mesh axis {axis!r}")
+                         f"{token_ranks} ranks of mesh axes {tuple(split)}")
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise ValueError(f"prompt_tokens: ids must lie in [0, {cfg.vocab_size})")
     check_multiprocess(cfg, mesh)

@@ -69,7 +69,7 @@ def test_config_json_round_trip_and_flat_layout(tmp_path):
     import json
     from moe_jax.checkpoint import _config_json
     cfg = CFG.replace(strategy="cap_and_spill", capacity=3, spill_capacity=2,
-                      dtype=jnp.bfloat16, tie_embeddings=True)
+                      dtype=jnp.bfloat16, tie_embeddings=True, data_axes=("data",))
     (tmp_path / "decoder_config.json").write_text(json.dumps(_config_json(cfg)))
     assert load_config(tmp_path) == cfg
     flat = {k: v for k, v in _config_json(cfg).items() if k != "moe"}

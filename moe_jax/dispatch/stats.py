@@ -12,6 +12,9 @@ import jax.numpy as jnp
 class DispatchStats(NamedTuple):
     """Per-call dispatch counters, int32 scalars equal on every rank.
 
+    From dispatch_combine: its group's. From moe_layer with
+    MoEConfig.data_axes: every data group's together (see over_groups).
+
     rows: (token, pick) rows routed, all ranks together.
     max_peer_rows: the largest (source -> destination) stream.
     spilled_rows: rows moved by the spill pass (cap_and_spill).

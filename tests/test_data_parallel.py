@@ -16,7 +16,6 @@ from moe_jax import custom_calls
 from moe_jax.layer import init_moe_params, moe_layer
 from moe_jax.models import DecoderConfig, MixtralLinen, init_params
 from moe_jax.models.generate import generate, pad_prompts
-from moe_jax.nn import linen as moe_linen
 from moe_testing import (ROUTINGS, bits, expected_rank_rows, random_case, rel_error, run_dense,
                          run_strategy)
 
@@ -120,24 +119,6 @@ def test_stats_sum_the_groups_calls():
     for field in ("max_peer_rows", "spill_steps", "fallback_steps"):
         assert int(getattr(aux.stats, field)) == max(int(getattr(s, field)) for s in per_group)
     assert int(aux.stats.overflow_rows) > 0
-
-
-def test_linen_module_on_a_data_and_expert_mesh():
-    config = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=2,
-                          strategy="ragged", transport="custom_call", data_axes=("data",))
-    mesh = _mesh(2, "data", 4, "ep")
-    module = moe_linen.MoE(config, mesh)
-    x = jax.random.normal(jax.random.key(4), (4, 8, config.hidden_size))
-    variables = jax.jit(module.init)(jax.random.key(0), x)
-    y, state = jax.jit(lambda v, x: module.apply(v, x, mutable=["moe_stats", "losses"]))(
-        variables, x)
-    p = variables["params"]
-    params = mj.layer.MoEParams(p["router"], None, mj.ExpertWeights(
-        p["w_gate"].unbox(), p["w_up"].unbox(), p["w_down"].unbox()))
-    dense = config.replace(strategy="dense", dtype=jnp.float32)
-    want, _ = jax.jit(lambda p, x: moe_layer(p, x, dense))(params, x)
-    assert rel_error(np.asarray(y, np.float32), want) < 2e-2
-    assert int(state["moe_stats"]["dispatch"].rows) == 4 * 8 * config.top_k
 
 
 @given(st.sampled_from([(2, 4), (4, 2), (2, 2)]), st.integers(0, 2**31 - 1))

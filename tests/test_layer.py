@@ -80,9 +80,11 @@ def test_cap_and_spill_hlo_has_no_host_transfer_or_callback():
     assert not any("is_host_transfer=true" in line for line in instructions)
 
 
-def test_linen_module_matches_function():
-    mesh = _mesh(4)
-    module = moe_linen.MoE(CONFIG, mesh)
+@pytest.mark.parametrize("data", [1, 2])   # 2: a ("data", "ep") mesh, data_axes=("data",)
+def test_linen_module_matches_function(data):
+    mesh = mesh_of(4, "cpu", data)
+    config = CONFIG.replace(data_axes=("data",) if data > 1 else ())
+    module = moe_linen.MoE(config, mesh)
     x = jax.random.normal(jax.random.key(3), (4, 8, CONFIG.hidden_size))
     variables = jax.jit(module.init)(jax.random.key(0), x)
     y, state = jax.jit(lambda v, x: module.apply(v, x, mutable=["moe_stats", "losses"]))(
@@ -90,7 +92,7 @@ def test_linen_module_matches_function():
     p = variables["params"]
     params = mj.layer.MoEParams(p["router"], None, mj.ExpertWeights(
         p["w_gate"].unbox(), p["w_up"].unbox(), p["w_down"].unbox()))
-    expected, _ = jax.jit(lambda p, x: moe_layer(p, x, CONFIG, mesh))(params, x)
+    expected, _ = jax.jit(lambda p, x: moe_layer(p, x, config, mesh))(params, x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
     assert int(state["moe_stats"]["calls"]) == 1
     assert int(state["moe_stats"]["dispatch"].rows) == 4 * 8 * CONFIG.top_k

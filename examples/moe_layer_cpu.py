@@ -1,10 +1,12 @@
 """A small MoE layer under jit on 8 CPU devices, with every dispatch strategy.
 
     python examples/moe_layer_cpu.py [--tokens_per_device=32] [--strategy=...]
+                                     [--data_parallel=2]
 
 Prints, for each strategy, how far its output is from the float32 dense
 reference, what the dispatch moved (spill and fallback counts) and the time
-per call.
+per call. With --data_parallel=D the devices form a ("data", "ep") mesh of
+D groups, each an expert-parallel group of devices / D ranks.
 """
 
 import os
@@ -23,11 +25,13 @@ import moe_jax as mj  # noqa: E402
 from moe_jax.layer import init_moe_params, moe_layer  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("devices", 8, "CPU devices along the expert axis.")
+flags.DEFINE_integer("devices", 8, "CPU devices on the mesh.")
+flags.DEFINE_integer("data_parallel", 1, "Data-parallel groups D (the expert axis gets "
+                     "devices / D ranks).")
 flags.DEFINE_integer("tokens_per_device", 32, "Tokens on each device.")
 flags.DEFINE_integer("hidden", 64, "Model width H.")
 flags.DEFINE_integer("ffn", 128, "Expert width F.")
-flags.DEFINE_integer("experts", 8, "Experts E (a multiple of --devices).")
+flags.DEFINE_integer("experts", 8, "Experts E (a multiple of the expert-axis ranks).")
 flags.DEFINE_integer("top_k", 2, "Experts per token.")
 flags.DEFINE_float("quantile", 0.99, "Quantile of per-peer counts that sets C.")
 flags.DEFINE_multi_string("strategy", ["max_counts", "cap_and_spill", "ragged"],
@@ -46,9 +50,9 @@ def calibrated_capacities(config, mesh, params, x):
 
 
 def peer_counts(params, x, config, mesh):
-    """[P, P] rows each source rank sends each destination rank."""
+    """[D * P, P] rows each source rank sends each rank of its group."""
     num_ranks = mesh.shape[config.expert_axis]
-    tokens = x.reshape(num_ranks, -1, config.hidden_size).astype(jnp.float32)
+    tokens = x.reshape(mesh.devices.size, -1, config.hidden_size).astype(jnp.float32)
     logits = tokens @ params.router.astype(jnp.float32)
     routing = jax.vmap(lambda l: mj.routing.topk_softmax(l, config.top_k))(logits)
     dest = routing.expert_ids // (config.num_experts // num_ranks)
@@ -58,16 +62,25 @@ def peer_counts(params, x, config, mesh):
 def main(argv):
     del argv
     devices = jax.devices()[:FLAGS.devices]
-    mesh = jax.make_mesh((len(devices),), ("ep",), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    data = FLAGS.data_parallel
+    if data < 1 or len(devices) % data:
+        raise app.UsageError(f"--data_parallel={data} must divide the {len(devices)} devices")
+    if data > 1:
+        mesh = jax.make_mesh((data, len(devices) // data), ("data", "ep"), devices=devices,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    else:
+        mesh = jax.make_mesh((len(devices),), ("ep",), devices=devices,
+                             axis_types=(jax.sharding.AxisType.Auto,))
     config = mj.MoEConfig(hidden_size=FLAGS.hidden, ffn_size=FLAGS.ffn,
-                          num_experts=FLAGS.experts, top_k=FLAGS.top_k, strategy="max_counts")
+                          num_experts=FLAGS.experts, top_k=FLAGS.top_k, strategy="max_counts",
+                          data_axes=("data",) if data > 1 else ())
     params = init_moe_params(jax.random.key(0), config)
     x = jax.random.normal(jax.random.key(1), (len(devices) * FLAGS.tokens_per_device,
                                               FLAGS.hidden))
     calib = calibrated_capacities(config, mesh, params, x)
-    print(f"moe_jax {mj.__version__} on {len(devices)} {devices[0].platform} devices; "
-          f"custom calls for {mj.custom_calls.available_platforms()}")
+    layout = " x ".join(f"{mesh.shape[a]} {a}" for a in mesh.axis_names)
+    print(f"moe_jax {mj.__version__} on {len(devices)} {devices[0].platform} devices "
+          f"({layout}); custom calls for {mj.custom_calls.available_platforms()}")
     print(f"E={config.num_experts} top_k={config.top_k} H={config.hidden_size} "
           f"F={config.ffn_size} T={FLAGS.tokens_per_device} tokens/device")
     print(f"calibrated at q={FLAGS.quantile}: C={calib.capacity} S={calib.spill_capacity}")

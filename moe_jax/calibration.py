@@ -176,7 +176,7 @@ def _is_trace_input(x: Any) -> bool:
 
 def calibrate(traces_or_counts: Any, quantile: float = 0.99, spill_quantile: float = 0.999, *,
               num_ranks: int | None = None, num_experts: int | None = None,
-              include_self: bool = True) -> Calibration:
+              num_groups: int = 1, include_self: bool = True) -> Calibration:
     """Chooses cap-and-spill capacities from routing traces or per-peer counts.
 
     Args:
@@ -189,6 +189,10 @@ def calibrate(traces_or_counts: Any, quantile: float = 0.99, spill_quantile: flo
       spill_quantile: in (0, 1); ``S = max(1, ceil(Q_s(count - C | count > C)))``.
       num_ranks, num_experts: layout for traces (default: the traces' own);
         for ``[num_steps, P, P]`` counts ``num_ranks`` must equal ``P``.
+      num_groups: for traces: the data-parallel groups of ``num_ranks``
+        ranks each that the traces' tokens are split over
+        (``MoEConfig.data_axes``; see :func:`~moe_jax.traces.per_peer_counts`);
+        every group's dispatch is one step.
       include_self: count the self pair ``i == j`` (default; it uses the same
         buffers).  ``False`` needs traces or ``[num_steps, P, P]`` counts.
     Returns:
@@ -206,12 +210,16 @@ def calibrate(traces_or_counts: Any, quantile: float = 0.99, spill_quantile: flo
             raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
 
     if _is_trace_input(traces_or_counts):
-        counts = per_peer_counts(traces_or_counts, num_ranks=num_ranks, num_experts=num_experts)
+        counts = per_peer_counts(traces_or_counts, num_ranks=num_ranks, num_experts=num_experts,
+                                 num_groups=num_groups)
     else:
         if isinstance(traces_or_counts, Sequence) and not isinstance(
                 traces_or_counts, (str, bytes)) and any(
                 isinstance(t, RoutingTrace) for t in traces_or_counts):
             raise ValueError("traces_or_counts: mixes RoutingTrace objects with other values")
+        if num_groups != 1:
+            raise ValueError(f"num_groups: applies to traces only (counts are already per "
+                             f"group), got {num_groups!r}")
         counts = _check_counts(traces_or_counts)
         if num_ranks is not None and counts.ndim == 3 and counts.shape[1] != num_ranks:
             raise ValueError(f"num_ranks: {num_ranks} does not match counts of shape "

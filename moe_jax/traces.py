@@ -568,19 +568,26 @@ def generate_traces(num_experts: int = 8, num_ranks: int = 8, top_k: int = 2,
 
 def per_peer_counts(traces: RoutingTrace | Iterable[RoutingTrace], *,
                     num_ranks: int | None = None,
-                    num_experts: int | None = None) -> np.ndarray:
+                    num_experts: int | None = None,
+                    num_groups: int = 1) -> np.ndarray:
     """Rows sent from each source rank to each destination rank.
 
     Args:
       traces: one trace or a sequence of ``N`` traces (all with the same
         ``num_ranks`` / ``num_experts`` unless overridden).
       num_ranks, num_experts: override the layout stored in the traces.
+      num_groups: ``G`` data-parallel groups of ``P`` ranks each
+        (``MoEConfig.data_axes``): a trace's tokens lie in ``G * P`` equal
+        contiguous shards, group-major (group ``g``, rank ``r`` holds shard
+        ``g * P + r``), and each group dispatches among its own ``P`` ranks.
+        Needs traces without ``source_rank``.
     Returns:
-      ``[N, P, P]`` int64: ``counts[n, i, j]`` is the number of (token,
-      k-slot) rows of trace ``n`` whose token lives on rank ``i`` and whose
-      expert lives on rank ``j = e // (E // P)``.  ``counts.reshape(-1)``
-      gives the ``N * P * P`` per-peer observations (self pairs included;
-      ``counts[:, ~np.eye(P, dtype=bool)]`` drops them).
+      ``[N * G, P, P]`` int64: ``counts[n * G + g, i, j]`` is the number of
+      (token, k-slot) rows of trace ``n`` whose token lives on rank ``i`` of
+      group ``g`` and whose expert lives on rank ``j = e // (E // P)`` (of
+      that group).  ``counts.reshape(-1)`` gives the per-peer observations
+      (self pairs included; ``counts[:, ~np.eye(P, dtype=bool)]`` drops
+      them).
     """
     if isinstance(traces, RoutingTrace):
         traces = [traces]
@@ -597,20 +604,28 @@ def per_peer_counts(traces: RoutingTrace | Iterable[RoutingTrace], *,
         raise ValueError("num_ranks: traces disagree on num_ranks; pass num_ranks")
     if num_experts is None and any(t.num_experts != E for t in traces):
         raise ValueError("num_experts: traces disagree on num_experts; pass num_experts")
+    if not _is_int(num_groups) or num_groups < 1:
+        raise ValueError(f"num_groups: must be an integer >= 1, got {num_groups!r}")
+    G = int(num_groups)
+    if G > 1 and any(t.source_rank is not None for t in traces):
+        raise ValueError("num_groups: > 1 needs traces without source_rank (tokens in "
+                         "G * P contiguous shards)")
     per_rank = E // P
+    S = G * P  # source shards of a trace
 
     n = len(traces)
     experts = np.concatenate([t.experts.reshape(-1) for t in traces])
     if experts.size and experts.max() >= E:
         raise ValueError(f"num_experts: an expert id {experts.max()} is >= {E}")
-    itype = np.int32 if n * P * P < 2**31 else np.int64
+    itype = np.int32 if n * S * P < 2**31 else np.int64
     if all(t.source_rank is None for t in traces):
-        if any(t.num_tokens % P for t in traces):
-            raise ValueError(f"num_ranks: a trace's token count is not a multiple of {P}")
-        # Rows of trace n come in P contiguous runs of (T_n / P) * k rows,
-        # run r from source rank r: label each row with n * P + r.
-        rows_per_rank = np.array([t.experts.size // P for t in traces], dtype=np.int64)
-        pair = np.repeat(np.arange(n * P, dtype=itype), np.repeat(rows_per_rank, P))
+        if any(t.num_tokens % S for t in traces):
+            name = "num_groups" if G > 1 else "num_ranks"
+            raise ValueError(f"{name}: a trace's token count is not a multiple of {S}")
+        # Rows of trace n come in S contiguous runs of (T_n / S) * k rows,
+        # run s from source shard s: label each row with n * S + s.
+        rows_per_shard = np.array([t.experts.size // S for t in traces], dtype=np.int64)
+        pair = np.repeat(np.arange(n * S, dtype=itype), np.repeat(rows_per_shard, S))
     else:
         parts = []
         for m, t in enumerate(traces):
@@ -627,7 +642,7 @@ def per_peer_counts(traces: RoutingTrace | Iterable[RoutingTrace], *,
         pair = np.concatenate(parts)
     key = pair * itype(P)
     key += (experts // per_rank).astype(itype, copy=False)
-    return np.bincount(key, minlength=n * P * P).reshape(n, P, P)
+    return np.bincount(key, minlength=n * S * P).reshape(n * G, P, P)
 
 
 # --------------------------------------------------------------------------

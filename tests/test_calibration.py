@@ -287,3 +287,14 @@ def test_calibration_ignores_observation_order(counts, q, sq, rnd):
 def test_capacity_matches_brute_force_definition(counts, q):
     assume(counts.size * q % 1 > 1e-6)  # avoid q * n landing on an integer within rounding
     assert calibrate(counts, q).capacity == max(1, _inverse_cdf(counts, q))
+
+
+def test_calibrate_counts_each_data_group_as_a_step():
+    """Traces of 8 ranks' tokens read as 2 data groups of 4 EP ranks."""
+    traces = traces_mod.generate_traces(num_steps=4, num_layers=2, tokens_per_rank=8, seed=3)
+    grouped = calibrate(traces, 0.9, num_ranks=4, num_experts=8, num_groups=2)
+    counts = traces_mod.per_peer_counts(traces, num_ranks=4, num_experts=8, num_groups=2)
+    assert counts.shape == (2 * len(traces), 4, 4)
+    assert grouped == calibrate(counts, 0.9)
+    with pytest.raises(ValueError, match="num_groups: applies to traces only"):
+        calibrate(counts, 0.9, num_groups=2)

@@ -466,3 +466,44 @@ def test_good_record_loads(tmp_path):
     path.write_text(json.dumps(_GOOD_RECORD) + "\n")
     (t,) = load_jsonl(path)
     assert t.num_ranks == 2 and t.num_experts == 4 and t.step == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3]), st.integers(1, 3),
+       st.integers(0, 2**32 - 1))
+def test_per_peer_counts_of_data_groups_are_each_groups_own(P, G, per_rank, seed):
+    """With num_groups=G every group's [P, P] counts are those of a trace
+    holding only that group's tokens (its G * P shards, group-major)."""
+    rng = np.random.default_rng(seed)
+    E, k, T = P * per_rank, min(2, P * per_rank), G * P * int(rng.integers(0, 4))
+    experts = np.array([rng.permutation(E)[:k] for _ in range(T)], np.int32).reshape(T, k)
+    w = np.full((T, k), 1.0 / k, np.float32)
+    traces = [RoutingTrace(layer=0, experts=experts, gating_probs=w, token_idx=np.arange(T),
+                           num_ranks=P, num_experts=E, step=s) for s in range(2)]
+    counts = per_peer_counts(traces, num_groups=G)
+    assert counts.shape == (2 * G, P, P)
+    per_group = T // G
+    for n in range(2):
+        for g in range(G):
+            part = slice(g * per_group, (g + 1) * per_group)
+            own = RoutingTrace(layer=0, experts=experts[part], gating_probs=w[part],
+                               token_idx=np.arange(per_group), num_ranks=P, num_experts=E)
+            np.testing.assert_array_equal(counts[n * G + g], per_peer_counts(own)[0])
+
+
+def test_per_peer_counts_num_groups_errors():
+    t = RoutingTrace(layer=0, experts=[[0, 1], [0, 2], [3, 2], [1, 3]],
+                     gating_probs=[[0.5, 0.5]] * 4, token_idx=[0, 1, 2, 3],
+                     num_ranks=2, num_experts=4)
+    with pytest.raises(ValueError, match="num_groups: a trace's token count"):
+        per_peer_counts(t, num_groups=3)
+    with pytest.raises(ValueError, match="num_groups: must be"):
+        per_peer_counts(t, num_groups=0)
+    u = RoutingTrace(layer=0, experts=[[0, 1]], gating_probs=[[0.5, 0.5]], token_idx=[0],
+                     num_ranks=2, num_experts=4, source_rank=[1])
+    with pytest.raises(ValueError, match="num_groups: > 1 needs traces without source_rank"):
+        per_peer_counts(u, num_groups=2)
+    # Two groups of 2 ranks, one token per rank: group 0 holds tokens 0-1,
+    # group 1 tokens 2-3; experts 0-1 live on rank 0, 2-3 on rank 1.
+    np.testing.assert_array_equal(per_peer_counts(t, num_groups=2),
+                                  [[[2, 0], [1, 1]], [[0, 2], [1, 1]]])

@@ -1,6 +1,7 @@
 """Greedy generation with a small Mixtral-style MoE decoder, on CPU devices or GPUs.
 
     python examples/generate.py [--strategy=cap_and_spill] [--transport=lax] [--ep=8]
+        [--data_parallel=2]
         [--tokens=24] [--variant=linen|nnx] [--record_traces=routing.jsonl]
         [--calibrate_from=routing.jsonl] [--checkpoint_dir=/tmp/moe_ckpt]
         [--benchmark_steps=20 [--benchmark_methods=dense,ragged,cap_and_spill:custom_call]
@@ -13,7 +14,12 @@ then a scan over decode steps with a fixed-length KV cache), and prints the
 tokens, the dispatch counters and the time. For cap_and_spill, C and S come
 from --capacity/--spill_capacity, else from the trace in --calibrate_from,
 else from a trace recorded by a first (ragged) run of the same prompts.
-Every strategy, transport and --ep size generates the same tokens: the
+With --data_parallel=D the mesh is ("data", "ep") of D x --ep devices: D
+data-parallel groups, each its own expert-parallel group (MoEConfig
+.data_axes); C and S are calibrated per group (each group's dispatch is one
+observation).
+Every strategy, transport, --ep and --data_parallel size generates the same
+tokens: the
 router and the experts multiply with moe_jax.row_invariant (--matmul), whose
 rows do not change bits with the number of rows in a call. With
 --matmul=xla (XLA's dots; on GPU their rounding depends on the row count)
@@ -79,8 +85,12 @@ flags.DEFINE_enum("matmul", "row_invariant", ["row_invariant", "xla"],
                   "strategy and EP size the same bits; xla uses XLA's dots.")
 flags.DEFINE_integer("ep", None, "Expert-parallel ranks (devices on the mesh axis 'ep'; "
                      "default: all devices).")
+flags.DEFINE_integer("data_parallel", 1, "Data-parallel groups D: the mesh becomes "
+                     "('data', 'ep') with D x --ep devices and the MoE layers split their "
+                     "tokens over both axes.")
 flags.DEFINE_integer("tokens", 24, "New tokens to generate per sequence.")
-flags.DEFINE_integer("batch", 8, "Prompts in the batch (a multiple of --ep).")
+flags.DEFINE_integer("batch", 8, "Prompts in the batch (a multiple of --ep x "
+                     "--data_parallel).")
 flags.DEFINE_integer("prompt_len", 8, "Longest prompt; prompts get 1..prompt_len tokens.")
 flags.DEFINE_enum("variant", "linen", ["linen", "nnx"], "Flax API of the model.")
 flags.DEFINE_string("record_traces", None, "Write the routing of every layer and step "
@@ -127,12 +137,16 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
+def data_axes() -> tuple[str, ...]:
+    return ("data",) if FLAGS.data_parallel > 1 else ()
+
+
 def build_config(**changes) -> DecoderConfig:
     return DecoderConfig.create(vocab_size=FLAGS.vocab, d_model=FLAGS.d_model,
                                 num_heads=FLAGS.heads, num_layers=FLAGS.layers,
                                 num_experts=FLAGS.experts, top_k=FLAGS.top_k,
                                 ffn_size=FLAGS.ffn, max_len=FLAGS.prompt_len + FLAGS.tokens,
-                                matmul=FLAGS.matmul, **changes)
+                                matmul=FLAGS.matmul, data_axes=data_axes(), **changes)
 
 
 def show_progress(units: int, long: int) -> bool:
@@ -210,14 +224,19 @@ def capacities(base, mesh, params, prompts, ep: int):
     if FLAGS.calibrate_from:
         # Counted for `ep` ranks, whatever EP size the traces were recorded at.
         traces = mj.load_jsonl(FLAGS.calibrate_from)
-        calib = mj.calibrate(traces, FLAGS.quantile, num_ranks=ep)
+        try:
+            calib = mj.calibrate(traces, FLAGS.quantile, num_ranks=ep,
+                                 num_groups=FLAGS.data_parallel)
+        except ValueError as e:
+            raise app.UsageError(f"--calibrate_from={FLAGS.calibrate_from}: {e}") from None
+        groups = f"{FLAGS.data_parallel} groups of " if FLAGS.data_parallel > 1 else ""
         source = (f"{len(traces)} traces in {FLAGS.calibrate_from} (recorded at "
-                  f"{traces[0].num_ranks} ranks, counted for {ep})")
+                  f"{traces[0].num_ranks} ranks, counted for {groups}{ep})")
     elif FLAGS.capacity is None or FLAGS.spill_capacity is None:
         cfg = method_config(base, "ragged", FLAGS.transport, None, mesh)
         result, _ = run(cfg, mesh, params, prompts, record=True, label="calibration run")
-        calib, source = mj.calibrate(result.traces, FLAGS.quantile), \
-            f"{len(result.traces)} traces of a ragged calibration run"
+        calib = mj.calibrate(result.traces, FLAGS.quantile, num_groups=FLAGS.data_parallel)
+        source = f"{len(result.traces)} traces of a ragged calibration run"
     capacity = FLAGS.capacity if FLAGS.capacity is not None else calib.capacity
     spill = FLAGS.spill_capacity if FLAGS.spill_capacity is not None else calib.spill_capacity
     report = None
@@ -299,20 +318,30 @@ def benchmark(base, mesh, params, prompts, ep: int, setup: dict) -> dict:
 
 
 def make_mesh():
+    """(mesh, ep): the ("ep",) mesh, or ("data", "ep") with --data_parallel > 1."""
     devices = jax.devices()
-    ep = FLAGS.ep if FLAGS.ep is not None else len(devices)
-    if ep > len(devices):
-        raise app.UsageError(f"--ep={ep} needs {ep} devices, found {len(devices)}")
-    if jax.process_count() > 1 and ep != len(devices):
-        raise app.UsageError(f"--ep={ep}: a multi-process run puts all {len(devices)} devices "
-                             "of its processes on the mesh")
-    if FLAGS.batch % ep:
-        raise app.UsageError(f"--batch={FLAGS.batch} must be a multiple of --ep={ep} "
-                             "(each decode step's tokens are split evenly over the ranks)")
+    data = FLAGS.data_parallel
+    if data < 1:
+        raise app.UsageError(f"--data_parallel={data} must be >= 1")
+    ep = FLAGS.ep if FLAGS.ep is not None else len(devices) // data
+    if ep < 1 or data * ep > len(devices):
+        raise app.UsageError(f"--ep={ep} x --data_parallel={data} needs {data * ep} devices, "
+                             f"found {len(devices)}")
+    if jax.process_count() > 1 and data * ep != len(devices):
+        raise app.UsageError(f"--ep={ep} x --data_parallel={data}: a multi-process run puts "
+                             f"all {len(devices)} devices of its processes on the mesh")
+    if FLAGS.batch % (data * ep):
+        raise app.UsageError(f"--batch={FLAGS.batch} must be a multiple of --ep={ep} x "
+                             f"--data_parallel={data} (each decode step's tokens are split "
+                             "evenly over the ranks)")
     if FLAGS.experts % ep:
         raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of --ep={ep}")
-    mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    if data > 1:
+        mesh = jax.make_mesh((data, ep), ("data", "ep"), devices=devices[:data * ep],
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    else:
+        mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
+                             axis_types=(jax.sharding.AxisType.Auto,))
     return mesh, ep
 
 
@@ -323,6 +352,7 @@ def load_params(base, mesh, ep):
         saved = checkpoint.load_config(FLAGS.checkpoint_dir)
         if saved is not None:
             base = saved.replace(strategy="ragged", transport=base.moe.transport,
+                                 data_axes=data_axes(),
                                  max_len=max(saved.max_len, FLAGS.prompt_len + FLAGS.tokens))
             params = checkpoint.restore_params(FLAGS.checkpoint_dir, base, mesh)
             say(f"restored parameters from {os.path.abspath(FLAGS.checkpoint_dir)} onto "
@@ -384,8 +414,9 @@ def main(argv):
     devices = jax.devices()
     procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
              if jax.process_count() > 1 else "")
-    say(f"moe_jax {mj.__version__}: {FLAGS.variant} decoder on {ep} of {len(devices)} "
-        f"{devices[0].platform} devices{procs}")
+    groups = f"{FLAGS.data_parallel} data x " if FLAGS.data_parallel > 1 else ""
+    say(f"moe_jax {mj.__version__}: {FLAGS.variant} decoder on {groups}{ep} of "
+        f"{len(devices)} {devices[0].platform} devices{procs}")
     base = build_config(strategy="ragged", transport=FLAGS.transport)
     base, params = load_params(base, mesh, ep)
     say(f"model: vocab={base.vocab_size} d_model={base.d_model} heads={base.num_heads} "
@@ -393,6 +424,7 @@ def main(argv):
         f"ffn={base.moe.ffn_size} max_len={base.max_len} matmul={base.moe.matmul}")
     prompts = make_prompts(base.vocab_size)
     setup = dict(platform=devices[0].platform, devices=len(devices), ep=ep,
+                 data_parallel=FLAGS.data_parallel,
                  num_processes=jax.process_count(),
                  variant=FLAGS.variant, batch=FLAGS.batch, prompt_len=FLAGS.prompt_len,
                  new_tokens=FLAGS.tokens, matmul=FLAGS.matmul, seed=FLAGS.seed,
@@ -442,7 +474,7 @@ def main(argv):
     if FLAGS.record_traces:
         if jax.process_index() == 0:
             mj.save_jsonl(result.traces, FLAGS.record_traces)
-        calib = mj.calibrate(result.traces, FLAGS.quantile)
+        calib = mj.calibrate(result.traces, FLAGS.quantile, num_groups=FLAGS.data_parallel)
         say(f"wrote {len(result.traces)} routing traces to {FLAGS.record_traces} "
             f"(they calibrate to C={calib.capacity} S={calib.spill_capacity} at "
             f"q={FLAGS.quantile})")

@@ -123,3 +123,25 @@ def test_progress_fallback_bar(monkeypatch):
     assert quiet.getvalue() == ""
     with pytest.raises(ValueError, match="total"):
         Progress(0, "x")
+
+
+def test_data_parallel_runs_generate_the_dense_tokens(tmp_path):
+    """--data_parallel=2 --ep=2 on 4 devices: traces recorded there calibrate
+    C and S per data group, and every method generates dense's tokens, the
+    tokens of a 1-D run on 4 ranks."""
+    traces_path, one_axis = tmp_path / "routing.jsonl", tmp_path / "tokens.json"
+    run_example("--strategy=ragged", "--ep=4", f"--tokens_out={one_axis}", devices=4)
+    out = run_example("--strategy=ragged", "--ep=2", "--data_parallel=2",
+                      f"--record_traces={traces_path}", devices=4)
+    assert "decoder on 2 data x 2 of 4 cpu devices" in out
+    out = run_example("--benchmark_steps=1", "--benchmark_warmup=1", "--ep=2",
+                      "--data_parallel=2", "--benchmark_methods=dense,cap_and_spill,"
+                      "ragged:custom_call", f"--calibrate_from={traces_path}",
+                      f"--benchmark_out={tmp_path / 'bench.json'}", devices=4)
+    assert "PASS: the 3 methods generate the same tokens" in out
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    calib = mj.calibrate(mj.load_jsonl(traces_path), 0.99, num_ranks=2, num_groups=2)
+    assert (bench["calibration"]["capacity"], bench["calibration"]["spill_capacity"]) == \
+        (calib.capacity, calib.spill_capacity)
+    assert bench["setup"]["data_parallel"] == 2
+    assert bench["tokens"] == json.loads(one_axis.read_text())["tokens"]

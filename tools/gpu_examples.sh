@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The example decoder on a GPU host: same tokens for every strategy, transport
-# and EP size, after a checkpoint round trip, in 4 processes x 1 GPU; the
+# The example decoder on a GPU host: same tokens for every strategy, transport,
+# EP size and a 2 x 2 data x expert mesh, after a checkpoint round trip, in
+# 4 processes x 1 GPU; the
 # benchmark with C and S calibrated from a recorded trace.
 #
 #   tools/gpu_examples.sh OUT_DIR
@@ -90,6 +91,9 @@ for ep in 1 2 4; do
   example "ep${ep}_all_methods" --ep="$ep" "${once[@]}" "${traces[@]}" \
     --benchmark_methods="dense,$methods$([ "$ep" -gt 1 ] && echo "$nvlink_methods")"
 done
+# Data x expert parallelism: 2 data groups of 2 EP ranks (C and S per group).
+example dp2_ep2_all_methods --ep=2 --data_parallel=2 "${once[@]}" "${traces[@]}" \
+  --benchmark_methods="dense,$methods$nvlink_methods"
 # C = S = 1: the spill pass and the fallback run on every step.
 example ep4_all_transports_C1S1 --ep=4 "${once[@]}" --capacity=1 --spill_capacity=1 \
   --benchmark_methods="cap_and_spill:lax,cap_and_spill:custom_call${nvlink_methods:+,cap_and_spill:nvlink}"

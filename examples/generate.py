@@ -336,13 +336,7 @@ def make_mesh():
                              "evenly over the ranks)")
     if FLAGS.experts % ep:
         raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of --ep={ep}")
-    if data > 1:
-        mesh = jax.make_mesh((data, ep), ("data", "ep"), devices=devices[:data * ep],
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    else:
-        mesh = jax.make_mesh((ep,), ("ep",), devices=devices[:ep],
-                             axis_types=(jax.sharding.AxisType.Auto,))
-    return mesh, ep
+    return mj.expert_mesh(ep, data, devices), ep
 
 
 def load_params(base, mesh, ep):

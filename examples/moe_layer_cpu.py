@@ -65,12 +65,7 @@ def main(argv):
     data = FLAGS.data_parallel
     if data < 1 or len(devices) % data:
         raise app.UsageError(f"--data_parallel={data} must divide the {len(devices)} devices")
-    if data > 1:
-        mesh = jax.make_mesh((data, len(devices) // data), ("data", "ep"), devices=devices,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    else:
-        mesh = jax.make_mesh((len(devices),), ("ep",), devices=devices,
-                             axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = mj.expert_mesh(len(devices) // data, data, devices)
     config = mj.MoEConfig(hidden_size=FLAGS.hidden, ffn_size=FLAGS.ffn,
                           num_experts=FLAGS.experts, top_k=FLAGS.top_k, strategy="max_counts",
                           data_axes=("data",) if data > 1 else ())

@@ -72,12 +72,7 @@ def needs_gpus(count: int) -> None:
 def mesh_of(ranks: int, backend: str = "cpu", data: int = 1) -> jax.sharding.Mesh:
     """A 1-D mesh "ep" over the first `ranks` devices of `backend`; with
     data > 1 a ("data", "ep") mesh of data * ranks devices."""
-    if data > 1:
-        return jax.make_mesh((data, ranks), ("data", "ep"),
-                             devices=jax.devices(backend)[:data * ranks],
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    return jax.make_mesh((ranks,), ("ep",), devices=jax.devices(backend)[:ranks],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return mj.expert_mesh(ranks, data, jax.devices(backend))
 
 
 @functools.lru_cache(maxsize=None)

@@ -229,3 +229,13 @@ def test_explicit_mesh_keeps_the_inputs_sharding():
     got, _ = jax.jit(lambda p, x: moe_layer(p, x, config, mesh))(params, x)
     assert got.sharding.spec == P("data", None, None)
     np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
+
+
+def test_expert_mesh_layouts():
+    one = mj.expert_mesh(4)
+    assert one.axis_names == ("ep",) and one.shape["ep"] == 4
+    two = mj.expert_mesh(2, data_parallel=4)
+    assert two.axis_names == ("data", "ep") and (two.shape["data"], two.shape["ep"]) == (4, 2)
+    assert list(two.devices.flat) == jax.devices()[:8]
+    with pytest.raises(ValueError, match="needs 16 devices, got 8"):
+        mj.expert_mesh(4, data_parallel=4)

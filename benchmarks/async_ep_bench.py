@@ -10,7 +10,8 @@ on H200s; estimated 4-5 minutes, compilation and cost measurement included):
     python benchmarks/async_ep_bench.py --platform=gpu --num_devices=4 --hidden=2048 --ffn=8192 --heads=16 --num_blocks=4 --max_batch=128 --total_slots=128 --num_requests=192 --length_scale=0.3
 
 A Mixtral-style decoder (moe_jax.async_ep.model, random weights, float32,
-8 experts top-2, expert load skewed by a router bias -skew * e / E) is served
+8 experts top-2, expert e receiving a share of the picks proportional to
+exp(-skew * e / E), the router bias calibrated to it) is served
 on D devices of --platform. The synchronous baseline is barrier-synchronous
 EP with DP attention on every device (one rank per device, expert e on
 device e % D, all active requests advance one position per step, a barrier
@@ -69,7 +70,8 @@ from moe_jax.async_ep.baseline import SyncEngine  # noqa: E402
 from moe_jax.async_ep.costs import CostTable  # noqa: E402
 from moe_jax.async_ep.dispatcher import Placement  # noqa: E402
 from moe_jax.async_ep.executor import TimedAsyncEngine  # noqa: E402
-from moe_jax.async_ep.model import LayerKernels, TinyMoEConfig, bucket_for, init_params  # noqa: E402
+from moe_jax.async_ep.model import (LayerKernels, TinyMoEConfig, bucket_for, init_params,  # noqa: E402
+                                    realized_expert_shares, target_expert_shares)
 from moe_jax.async_ep.requests import Request  # noqa: E402
 from moe_jax.async_ep.schedulers import make_scheduler  # noqa: E402
 
@@ -95,7 +97,12 @@ flags.DEFINE_integer("hidden", 64, "Hidden size.")
 flags.DEFINE_integer("ffn", 256, "Expert FFN size.")
 flags.DEFINE_integer("heads", 4, "Attention heads.")
 flags.DEFINE_integer("max_batch", 64, "Largest bucket (power of two).")
-flags.DEFINE_float("expert_skew", 3.0, "Router bias -skew * e / E (0: no skew).")
+flags.DEFINE_enum("matmul", "xla", ["xla", "row_invariant"],
+                  "The model's arithmetic (TinyMoEConfig.matmul): row_invariant makes every "
+                  "row's bits independent of the batch size, so every engine generates the "
+                  "same tokens on GPUs too, at the cost of slower kernels.")
+flags.DEFINE_float("expert_skew", 3.0, "Expert e's share of the picks is proportional to "
+                   "exp(-skew * e / E) (0: uniform); the router bias is calibrated to it.")
 flags.DEFINE_float("latency_us", 20.0, "Message latency (async) / per-barrier latency (sync).")
 flags.DEFINE_enum("cost", "table", ["table", "measured", "model"], "Execution cost.")
 flags.DEFINE_float("model_fixed_us", 100.0, "--cost=model: fixed cost per execution.")
@@ -175,15 +182,16 @@ def main(argv):
     config = TinyMoEConfig(vocab=256, hidden=FLAGS.hidden, ffn=FLAGS.ffn, heads=FLAGS.heads,
                            num_blocks=FLAGS.num_blocks, num_experts=FLAGS.num_experts,
                            top_k=FLAGS.top_k, max_len=ihi + ohi + 2,
-                           expert_skew=FLAGS.expert_skew)
+                           expert_skew=FLAGS.expert_skew, matmul=FLAGS.matmul)
     t0 = time.perf_counter()
     kernels = LayerKernels(config, init_params(jax.random.PRNGKey(FLAGS.seed), config),
                            FLAGS.max_batch)
     latency = FLAGS.latency_us * 1e-6
     d, e, nb = FLAGS.num_devices, FLAGS.num_experts, FLAGS.num_blocks
-    layouts = {"colocated": (Placement.colocated(d, d, e, nb), d),
-               "disaggregated": (Placement.disaggregated(d, FLAGS.attention_devices, e, nb),
-                                 FLAGS.attention_devices)}
+    layouts = {"colocated": (Placement.colocated(d, d, e, nb), d)}
+    if "disaggregated" in FLAGS.async_layouts:
+        layouts["disaggregated"] = (Placement.disaggregated(d, FLAGS.attention_devices, e, nb),
+                                    FLAGS.attention_devices)
 
     def engine_args(layout):
         placement, ranks = layouts[layout]
@@ -263,8 +271,8 @@ def main(argv):
     p0 = kernels.params["blocks"][0]
     xn = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
     logits = xn @ p0["router"] + p0["router_bias"]
-    top = np.argsort(-logits, axis=-1)[:, :config.top_k]
-    share = np.bincount(top.ravel(), minlength=config.num_experts) / top.size
+    share = realized_expert_shares(logits, config.top_k)
+    target = target_expert_shares(config.num_experts, config.top_k, config.expert_skew)
     assert kernels.compile_count == compiles_warm, "recompiled after warm-up"
 
     host = (f"{os.cpu_count()} host cores" if FLAGS.platform == "cpu" else
@@ -281,9 +289,10 @@ def main(argv):
             "platform", "workload", "length_scale", "rates", "auto_fractions", "num_requests", "schedulers",
             "async_layouts", "attention_devices", "lookahead", "decay", "num_devices",
             "total_slots", "num_blocks", "num_experts", "top_k", "hidden", "ffn", "heads",
-            "max_batch", "expert_skew", "latency_us", "cost", "seed"]},
+            "max_batch", "matmul", "expert_skew", "latency_us", "cost", "seed"]},
         rates=rates, sync_capacity_estimate_req_s=capacity, compilations=compiles_warm,
         cost_table_s=cost_table, model_us=[FLAGS.model_fixed_us, FLAGS.model_row_us],
+        expert_share_target=[round(float(s), 4) for s in target],
         expert_share_block0=[round(float(s), 4) for s in share],
         layouts={k: dict(rank_devices=v[0].rank_devices, expert_devices=v[0].expert_devices)
                  for k, v in layouts.items()},
@@ -334,7 +343,8 @@ def write_md(path, meta, rows):
              f"- flags: `{json.dumps(fl)}`",
              f"- placements: `{json.dumps(meta['layouts'])}`",
              f"- XLA compilations (all at warm-up, none afterwards): {meta['compilations']}",
-             f"- router share per expert (block 0, random inputs): {meta['expert_share_block0']}",
+             f"- expert load, share of the picks per expert: target {meta['expert_share_target']}, "
+             f"router of block 0 on random inputs {meta['expert_share_block0']}",
              f"- offered loads: {meta['rates']} req/s (baseline capacity estimate "
              f"{meta['sync_capacity_estimate_req_s']:.1f} req/s)",
              f"- total wall time: {meta['wall_s']:.0f} s", "",

@@ -19,6 +19,9 @@ from moe_jax.async_ep.schedulers import (DefragScheduler, FirstLayerFirst, MostT
                                          SchedulerState, make_scheduler)
 from moe_jax.async_ep.tokens import Token
 
+from async_ep_testing import (assert_rows_independent_of_count, async_and_sync_outputs,
+                              kernel_rows_by_count, random_requests)
+
 CONFIG = TinyMoEConfig(vocab=64, hidden=16, ffn=32, heads=2, num_blocks=2, num_experts=4,
                        top_k=2, max_len=16)
 NUM_DEVICES, NUM_RANKS, SLOTS = 4, 2, 4
@@ -418,3 +421,79 @@ def test_measured_cost_table_and_donated_caches():
                          cache, 3)
     assert cache[0].is_deleted() and not out[4][0].is_deleted()
     assert np.asarray(out[4][0])[:2, 0].any()
+
+
+# ---------------------------------------------------------------- expert load skew
+
+@pytest.mark.parametrize("hidden,num_experts,top_k,skew", [
+    (16, 4, 2, 3.0), (64, 8, 2, 3.0), (64, 8, 1, 3.0), (512, 8, 2, 1.5), (64, 8, 2, 8.0)])
+def test_expert_skew_is_the_realized_load(hidden, num_experts, top_k, skew):
+    """The routers' picks on fresh normalized inputs follow exp(-skew * e / E),
+    whatever the hidden size (a fixed logit bias would fade as logits grow)."""
+    from moe_jax.async_ep.model import realized_expert_shares, target_expert_shares
+    config = TinyMoEConfig(vocab=8, hidden=hidden, ffn=8, heads=1, num_blocks=2,
+                           num_experts=num_experts, top_k=top_k, max_len=4, expert_skew=skew)
+    target = target_expert_shares(num_experts, top_k, skew)
+    assert target.sum() == pytest.approx(1.0) and target.max() <= 1 / top_k + 1e-12
+    assert np.all(np.diff(target) <= 1e-12)
+    uncapped = target < 1 / top_k - 1e-9
+    ratios = target[uncapped][1:] / target[uncapped][:-1]
+    np.testing.assert_allclose(ratios, np.exp(-skew / num_experts), rtol=1e-9)
+    params = init_params(jax.random.PRNGKey(7), config)
+    x = np.random.default_rng(123).normal(size=(16384, hidden))
+    u = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    for p in params["blocks"]:
+        share = realized_expert_shares(u @ p["router"] + p["router_bias"], top_k)
+        np.testing.assert_allclose(share, target, atol=0.02)
+
+
+def test_no_skew_is_no_bias_and_skew_validation():
+    params = init_params(jax.random.PRNGKey(0), CONFIG)
+    assert all(not np.any(p["router_bias"]) for p in params["blocks"])
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="expert_skew"):
+            TinyMoEConfig(expert_skew=bad)
+
+
+# ---------------------------------------------------------------- row-invariant arithmetic
+
+RI_CONFIG = TinyMoEConfig(vocab=64, hidden=24, ffn=40, heads=3, num_blocks=2, num_experts=4,
+                          top_k=2, max_len=12, expert_skew=2.0, matmul="row_invariant")
+
+
+@pytest.fixture(scope="module")
+def ri_kernels():
+    return LayerKernels(RI_CONFIG, init_params(jax.random.PRNGKey(4), RI_CONFIG), max_batch=8)
+
+
+def test_kernel_rows_do_not_depend_on_the_batch(ri_kernels):
+    """Each output row's bits depend on its own inputs only, at every bucket
+    and row count (XLA's arithmetic does not promise it: on CPU the router
+    weights of one row already change between 1 and 8 rows)."""
+    by_count = kernel_rows_by_count(ri_kernels, jax.devices("cpu")[0], [1, 2, 3, 5, 8])
+    assert_rows_independent_of_count(by_count)
+
+
+def test_row_invariant_arithmetic_is_close_to_xla(ri_kernels):
+    import dataclasses
+    xla = LayerKernels(dataclasses.replace(RI_CONFIG, matmul="xla"), ri_kernels.params,
+                       max_batch=8)
+    dev = jax.devices("cpu")[0]
+    got = kernel_rows_by_count(ri_kernels, dev, [8], seed=5)[8]
+    ref = kernel_rows_by_count(xla, dev, [8], seed=5)[8]
+    for i in (0, 1, 3, 4):     # h, u, weights, expert output (ids/tokens may flip on ties)
+        np.testing.assert_allclose(got[i], ref[i], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_devices, num_ranks", [(4, 2), (1, 1)])
+def test_row_invariant_async_matches_sync(ri_kernels, num_devices, num_ranks):
+    requests = random_requests(10, RI_CONFIG.vocab, seed=2, max_new=6)
+    outputs = async_and_sync_outputs(ri_kernels, requests, num_devices, num_ranks, 3, "cpu")
+    for name, got in outputs.items():
+        assert got == outputs["sync"], name
+    assert all(len(outputs["sync"][r.request_id]) == r.max_new_tokens for r in requests)
+
+
+def test_matmul_validation():
+    with pytest.raises(ValueError, match="matmul"):
+        TinyMoEConfig(matmul="fast")

@@ -7,6 +7,15 @@ embedding (host lookups, exact). Sampler: RMSNorm, LM head, argmax.
 The layer functions are pure and take one padded batch; `LayerKernels`
 jits them once and runs them at bucketed batch sizes (the next power of two
 up to `max_batch`), counting XLA compilations.
+
+`TinyMoEConfig.matmul` picks the arithmetic. "xla": XLA's dots and
+reductions, whose bits on GPU depend on the batch size (other tilings for
+other shapes), so engines that run other batch sizes may generate other
+tokens. "row_invariant": every matmul is `moe_jax.row_invariant.matmul` and
+every sum (RMSNorm, softmax, attention) a pairwise sum in a fixed order over
+a materialized product, so each output row is, bit for bit, a function of
+its own input row on any platform and at any bucket: the asynchronous and
+synchronous engines then generate the same tokens on GPUs too.
 """
 
 from __future__ import annotations
@@ -21,13 +30,15 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax import row_invariant
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
-from moe_jax.routing import topk_softmax
+
+MATMULS = ("xla", "row_invariant")
 
 
 @dataclasses.dataclass(frozen=True)
 class TinyMoEConfig:
-    """Sizes of the tiny model (all small; float32 throughout)."""
+    """Sizes and arithmetic of the tiny model (float32 throughout)."""
 
     vocab: int = 64
     hidden: int = 16
@@ -37,7 +48,11 @@ class TinyMoEConfig:
     num_experts: int = 4
     top_k: int = 2
     max_len: int = 32
-    expert_skew: float = 0.0  # router bias -skew*e/E: exponential-like expert load
+    # Expert load: expert e receives a share of all (token, pick) entries
+    # proportional to exp(-expert_skew * e / num_experts) (0: uniform); the
+    # router bias of every block is calibrated to it (`skewed_router_bias`).
+    expert_skew: float = 0.0
+    matmul: str = "xla"   # "xla" or "row_invariant" (see the module docstring)
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "ffn", "heads", "num_blocks", "num_experts",
@@ -48,6 +63,56 @@ class TinyMoEConfig:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
+        if not (np.isfinite(self.expert_skew) and self.expert_skew >= 0):
+            raise ValueError(f"expert_skew must be a finite number >= 0, got {self.expert_skew}")
+
+
+def target_expert_shares(num_experts: int, top_k: int, skew: float) -> np.ndarray:
+    """float64 [E] share of (token, pick) entries per expert, summing to 1.
+
+    Proportional to exp(-skew * e / E), then capped at 1 / top_k (a token
+    picks distinct experts, so no expert can take more than 1 / top_k of the
+    picks) with the excess spread proportionally over the uncapped experts.
+    """
+    share = np.exp(-skew * np.arange(num_experts) / num_experts)
+    share /= share.sum()
+    cap = 1.0 / top_k
+    capped = np.zeros(num_experts, bool)
+    while (share > cap * (1 + 1e-12)).any():
+        capped |= share > cap
+        free = ~capped
+        share[capped] = cap
+        share[free] *= (1.0 - cap * capped.sum()) / share[free].sum()
+    return share
+
+
+def skewed_router_bias(router: np.ndarray, top_k: int, target: np.ndarray,
+                       seed: int, samples: int = 8192, iterations: int = 200) -> np.ndarray:
+    """float32 [E] router bias whose top-k picks follow `target` shares.
+
+    The expert inputs u = RMSNorm(h) are modelled as normalized Gaussian rows;
+    the bias is fitted on `samples` of them by damped multiplicative updates
+    (bias_e += 0.5 * log(target_e / realized_e)). On such inputs, the
+    realized shares come within about 0.01 of the target.
+    """
+    num_experts = router.shape[1]
+    if np.allclose(target, 1.0 / num_experts):
+        return np.zeros((num_experts,), np.float32)
+    x = np.random.default_rng(seed).normal(size=(samples, router.shape[0]))
+    logits = (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)) @ router
+    bias = np.log(target) * np.std(logits)
+    for _ in range(iterations):
+        share = realized_expert_shares(logits + bias, top_k)
+        bias += 0.5 * np.log(target / np.maximum(share, 0.5 / (samples * top_k)))
+    return bias.astype(np.float32)
+
+
+def realized_expert_shares(logits: np.ndarray, top_k: int) -> np.ndarray:
+    """float64 [E] share of the top-k picks of `logits` [N, E] per expert."""
+    top = np.argpartition(-logits, top_k - 1, axis=-1)[:, :top_k]
+    return np.bincount(top.ravel(), minlength=logits.shape[1]) / top.size
 
 
 def init_params(key: jax.Array, config: TinyMoEConfig) -> dict[str, Any]:
@@ -55,10 +120,12 @@ def init_params(key: jax.Array, config: TinyMoEConfig) -> dict[str, Any]:
     c = config
     keys = jax.random.split(key, 3 + c.num_blocks)
     scale = c.hidden ** -0.5
+    target = target_expert_shares(c.num_experts, c.top_k, c.expert_skew)
     blocks = []
     for b in range(c.num_blocks):
         kq, kk, kv, ko, kr, ke = jax.random.split(keys[3 + b], 6)
-        bias = -c.expert_skew * np.arange(c.num_experts, dtype=np.float32) / c.num_experts
+        router = np.asarray(jax.random.normal(kr, (c.hidden, c.num_experts)))
+        bias = skewed_router_bias(router, c.top_k, target, seed=b)
         blocks.append(dict(
             attn_norm=np.ones((c.hidden,), np.float32),
             wq=np.asarray(jax.random.normal(kq, (c.hidden, c.hidden))) * scale,
@@ -66,7 +133,7 @@ def init_params(key: jax.Array, config: TinyMoEConfig) -> dict[str, Any]:
             wv=np.asarray(jax.random.normal(kv, (c.hidden, c.hidden))) * scale,
             wo=np.asarray(jax.random.normal(ko, (c.hidden, c.hidden))) * scale,
             moe_norm=np.ones((c.hidden,), np.float32),
-            router=np.asarray(jax.random.normal(kr, (c.hidden, c.num_experts))),
+            router=router,
             router_bias=bias,
             experts=ExpertWeights(*(np.asarray(w) for w in
                                     init_expert_weights(ke, c.num_experts, c.hidden, c.ffn)))))
@@ -83,12 +150,73 @@ def embed(params, token_id: int, position: int) -> np.ndarray:
     return (params["embed"][token_id] + params["pos"][position]).astype(np.float32)
 
 
-def _rms_norm(x, scale):
+def _pairwise_sum(x):
+    """Sum over the last axis, keeping it: halves added pairwise in a fixed
+    order (zero-padded to a power of two), each output element from its own
+    inputs only. The barrier keeps a product feeding it from being fused
+    (and contracted into FMAs) differently at other shapes."""
+    x = jax.lax.optimization_barrier(x)
+    n = x.shape[-1]
+    size = 1 << (n - 1).bit_length()
+    if size != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def _sum_last(x, matmul: str):
+    """Sum over the last axis, kept as size 1."""
+    if matmul == "row_invariant":
+        return _pairwise_sum(x)
+    return jnp.sum(x, -1, keepdims=True)
+
+
+def _dot(x, w, matmul: str):
+    """float32 x [N, K] @ w [K, M] -> [N, M]."""
+    if matmul == "row_invariant":
+        return row_invariant.matmul(x, w)
+    return x @ w
+
+
+def _rms_norm(x, scale, matmul: str):
     x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * scale
+    mean_square = _sum_last(x32 * x32, matmul) / x32.shape[-1]
+    return x32 * jax.lax.rsqrt(mean_square + 1e-6) * scale
 
 
-def attention_fn(p, x, pos, slot, k_cache, v_cache, *, heads: int, top_k: int):
+def _softmax(x, matmul: str):
+    unnormalized = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+    return unnormalized / _sum_last(unnormalized, matmul)
+
+
+def _attend(q, keys, values, pos, matmul: str):
+    """Causal attention of one query row per slot over its cache.
+
+    q: [N, nh, hd] (already scaled); keys, values: [N, L, nh, hd]; pos: [N].
+    Returns [N, nh, hd].
+    """
+    mask = jnp.arange(keys.shape[1])[None, None, :] <= pos[:, None, None]
+    if matmul == "row_invariant":
+        scores = _pairwise_sum(q[:, None] * keys)[..., 0].transpose(0, 2, 1)   # [N, nh, L]
+        probs = _softmax(jnp.where(mask, scores, -1e30), matmul)
+        values_t = values.transpose(0, 2, 3, 1)                                # [N, nh, hd, L]
+        return _pairwise_sum(probs[:, :, None, :] * values_t)[..., 0]
+    scores = jnp.einsum("nhd,nlhd->nhl", q, keys)
+    probs = _softmax(jnp.where(mask, scores, -1e30), matmul)
+    return jnp.einsum("nhl,nlhd->nhd", probs, values)
+
+
+def _route(logits, top_k: int, matmul: str):
+    """Mixtral routing: softmax over experts, top-k, weights renormalized.
+    Returns expert ids int32 [N, k] and weights float32 [N, k]."""
+    top_probs, expert_ids = jax.lax.top_k(_softmax(logits, matmul), top_k)
+    return expert_ids.astype(jnp.int32), top_probs / _sum_last(top_probs, matmul)
+
+
+def attention_fn(p, x, pos, slot, k_cache, v_cache, *, heads: int, top_k: int,
+                 matmul: str = "xla"):
     """Attention + router of one block for a padded batch.
 
     Args:
@@ -96,38 +224,38 @@ def attention_fn(p, x, pos, slot, k_cache, v_cache, *, heads: int, top_k: int):
       x: float32 [N, H] residual stream. pos, slot: int32 [N] position and KV
         slot of each row (padding rows use the spare last slot).
       k_cache, v_cache: float32 [S+1, L, H] this block's cache of the rank.
+      matmul: "xla" or "row_invariant" (module docstring).
     Returns:
       h [N,H] residual after attention, u [N,H] expert input, expert_ids
       int32 [N,k], weights float32 [N,k], updated k_cache, v_cache.
     """
     n, hidden = x.shape
     hd = hidden // heads
-    xn = _rms_norm(x, p["attn_norm"])
-    q, k, v = xn @ p["wq"], xn @ p["wk"], xn @ p["wv"]
+    xn = _rms_norm(x, p["attn_norm"], matmul)
+    q, k, v = (_dot(xn, p[w], matmul) for w in ("wq", "wk", "wv"))
     k_cache = k_cache.at[slot, pos].set(k)
     v_cache = v_cache.at[slot, pos].set(v)
     keys = k_cache[slot].reshape(n, -1, heads, hd)      # [N, L, nh, hd]
     values = v_cache[slot].reshape(n, -1, heads, hd)
-    scores = jnp.einsum("nhd,nlhd->nhl", q.reshape(n, heads, hd), keys) * hd ** -0.5
-    mask = jnp.arange(keys.shape[1])[None, None, :] <= pos[:, None, None]
-    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
-    attn = jnp.einsum("nhl,nlhd->nhd", probs, values).reshape(n, hidden)
-    h = x + attn @ p["wo"]
-    u = _rms_norm(h, p["moe_norm"])
-    routing = topk_softmax(u @ p["router"] + p["router_bias"], top_k)
-    return h, u, routing.expert_ids, routing.weights, k_cache, v_cache
+    q = q.reshape(n, heads, hd) * np.float32(hd ** -0.5)
+    attn = _attend(q, keys, values, pos, matmul).reshape(n, hidden)
+    h = x + _dot(attn, p["wo"], matmul)
+    u = _rms_norm(h, p["moe_norm"], matmul)
+    expert_ids, weights = _route(_dot(u, p["router"], matmul) + p["router_bias"], top_k, matmul)
+    return h, u, expert_ids, weights, k_cache, v_cache
 
 
-def expert_fn(w_gate, w_up, w_down, u):
+def expert_fn(w_gate, w_up, w_down, u, matmul: str = "xla"):
     """SwiGLU of one expert: u float32 [N, H] -> [N, H] (float32 matmuls)."""
     weights = ExpertWeights(w_gate[None], w_up[None], w_down[None])
     sizes = jnp.full((1,), u.shape[0], jnp.int32)
-    return swiglu_grouped(u, sizes, weights, jnp.float32)
+    return swiglu_grouped(u, sizes, weights, jnp.float32, matmul=matmul)
 
 
-def sampler_fn(final_norm, lm_head, x):
+def sampler_fn(final_norm, lm_head, x, matmul: str = "xla"):
     """Greedy next token: x float32 [N, H] -> int32 [N]."""
-    return jnp.argmax(_rms_norm(x, final_norm) @ lm_head, axis=-1).astype(jnp.int32)
+    logits = _dot(_rms_norm(x, final_norm, matmul), lm_head, matmul)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def bucket_sizes(max_batch: int) -> tuple[int, ...]:
@@ -188,10 +316,11 @@ class LayerKernels:
         # The KV caches (arguments 4 and 5) are updated in place: without
         # donation every call would copy the whole cache of the block.
         self._attention = jax.jit(lambda *a: attention_fn(*a, heads=config.heads,
-                                                          top_k=config.top_k),
+                                                          top_k=config.top_k,
+                                                          matmul=config.matmul),
                                   donate_argnums=(4, 5))
-        self._expert = jax.jit(expert_fn)
-        self._sampler = jax.jit(sampler_fn)
+        self._expert = jax.jit(lambda *a: expert_fn(*a, matmul=config.matmul))
+        self._sampler = jax.jit(lambda *a: sampler_fn(*a, matmul=config.matmul))
         self._on_device: dict[Any, Any] = {}
 
     def params_on(self, device):

@@ -30,8 +30,9 @@ from benchmarks.provenance import source_digest
 from moe_jax import row_invariant
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("shapes", ["8:4096:14336:2", "512:4096:14336:2", "2048:4096:14336:2",
-                             "64:256:512:2", "512:256:512:8"],
+flags.DEFINE_list("shapes", ["1:2048:2048:1", "8:4096:14336:2", "128:2048:8192:1",
+                             "512:4096:14336:2", "2048:4096:14336:2", "64:256:512:2",
+                             "512:256:512:8"],
                   "M:K:N:G (rows, depth, columns, groups) per case.")
 flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
 flags.DEFINE_integer("calls", 10, "Matmuls per measured step (one jitted loop).")

@@ -29,14 +29,24 @@ struct RowMatmulArgs {
 };
 
 // Rows and columns of the output tile one block computes. A tile's rows lie
-// in one group (its last tile may be partial) or in the zero tail.
+// in one group (its last tile may be partial) or in the zero tail. float32
+// launches of at most kRowMatmulSkinnyMaxRows rows use 16-row tiles (more
+// blocks, no work on 48 rows that do not exist); the others 64-row tiles.
+// The tile shape never changes the arithmetic of a row.
 inline constexpr int64_t kRowMatmulTileRows = 64;
+inline constexpr int64_t kRowMatmulSkinnyTileRows = 16;
+inline constexpr int64_t kRowMatmulSkinnyMaxRows = 128;
 inline constexpr int64_t kRowMatmulTileCols = 64;
+
+inline int64_t RowMatmulTileRowsFor(int64_t rows, ElemType in_type) {
+  return in_type == ElemType::kF32 && rows <= kRowMatmulSkinnyMaxRows ? kRowMatmulSkinnyTileRows
+                                                                      : kRowMatmulTileRows;
+}
 
 // Row tiles the grid provides: enough for any group sizes, since cutting M
 // rows into G groups and the tail adds at most G partial tiles.
-inline int64_t RowMatmulRowTiles(int64_t rows, int64_t groups) {
-  return (rows + kRowMatmulTileRows - 1) / kRowMatmulTileRows + groups;
+inline int64_t RowMatmulRowTiles(int64_t rows, int64_t groups, int64_t tile_rows) {
+  return (rows + tile_rows - 1) / tile_rows + groups;
 }
 
 inline int64_t RowMatmulColTiles(int64_t cols) {

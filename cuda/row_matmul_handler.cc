@@ -48,8 +48,8 @@ ffi::Error RowMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
                    " columns (N)",
                w);
   }
-  if (RowMatmulRowTiles(M, G) > kRowMatmulMaxRowTiles) {
-    return Bad(kRowMatmul, "x", "small enough for one launch (M / 64 + G < 2^31)", x);
+  if (RowMatmulRowTiles(M, G, RowMatmulTileRowsFor(M, *type)) > kRowMatmulMaxRowTiles) {
+    return Bad(kRowMatmul, "x", "small enough for one launch (M / 16 + G < 2^31)", x);
   }
 
   RowMatmulArgs args;

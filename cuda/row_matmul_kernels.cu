@@ -1,22 +1,27 @@
 // moe_jax_row_matmul: one launch of kThreads-thread blocks over a grid of
-// RowMatmulRowTiles(M, G) x RowMatmulColTiles(N) output tiles.
+// RowMatmulRowTiles(M, G, tile rows) x RowMatmulColTiles(N) output tiles.
 //
-// Scheduling: the row tiles are numbered group by group (ceil(rows_g / 64)
-// tiles for group g, the last one partial), then the zero tail; each block's
-// first warp finds its tile from group_sizes on the device (a warp-wide
-// prefix sum over the groups), so the launch shape depends on (M, G, N) only.
-// A tile never mixes groups: its rows past the group's end are computed from
-// zeros and not stored.
+// Scheduling: the row tiles are numbered group by group (ceil(rows_g / R)
+// tiles for group g, the last one partial, R the launch's tile rows), then
+// the zero tail; each block's first warp finds its tile from group_sizes on
+// the device (a warp-wide prefix sum over the groups), so the launch shape
+// depends on (M, G, N) only. A tile never mixes groups: its rows past the
+// group's end are computed from zeros and not stored.
 //
-// Arithmetic, the same for every M (which is what makes rows invariant):
+// Pipelining: a block stages the next k chunk of its x rows and weights in
+// registers while it multiplies the chunk in shared memory, so the loads of
+// one chunk overlap the arithmetic of the previous one.
+//
+// Arithmetic, the same for every M and tile shape (which is what makes rows
+// invariant):
 //   float32: per output, acc = +0.0f, then for k = 0, 1, ..., K-1 in order
 //     acc = fadd_rn(acc, fmul_rn(x[i, k], w[g, k, n])) (no FMA contraction),
 //     the arithmetic of the CPU handler.
 //   bfloat16 (sm_80 and newer): tensor cores through nvcuda::wmma, 16x16x16
-//     steps with a float32 accumulator, over k chunks of 16 in increasing
-//     order (K zero-padded to a multiple of 16). An MMA output row depends on
-//     its A row and B only. Older GPUs run the float32 arithmetic on the
-//     exactly converted bfloat16 inputs.
+//     steps with a float32 accumulator, over the k steps of 16 that hold
+//     some k < K, in increasing order (the last one zero-padded). An MMA
+//     output row depends on its A row and B only. Older GPUs run the float32
+//     arithmetic on the exactly converted bfloat16 inputs.
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -31,7 +36,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpThreads = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kTileRows = static_cast<int>(kRowMatmulTileRows);
 constexpr int kTileCols = static_cast<int>(kRowMatmulTileCols);
 
 enum class TileKind : int { kNone, kGroup, kTail };
@@ -55,8 +59,10 @@ __device__ __forceinline__ int64_t WarpInclusiveSum(int64_t v) {
   return v;
 }
 
-// Run by one full warp: the rows of row tile `tile`. Groups own consecutive
-// rows in order, max(group_sizes[g], 0) each, cut to [0, M).
+// Run by one full warp: the rows of row tile `tile` (tiles of kTileRows
+// rows). Groups own consecutive rows in order, max(group_sizes[g], 0) each,
+// cut to [0, M).
+template <int kTileRows>
 __device__ TileWork FindTile(const RowMatmulArgs& a, int64_t tile) {
   const int lane = threadIdx.x % kWarpThreads;
   int64_t rows_before = 0;   // rows of the groups already scanned, <= M
@@ -100,7 +106,7 @@ __device__ void ZeroTile(const RowMatmulArgs& a, const TileWork& t, int64_t col_
   }
 }
 
-// Stores the tile's valid rows and columns from c_s ([kTileRows][ld]).
+// Stores the tile's valid rows and columns from c_s ([tile rows][ld]).
 __device__ void StoreTile(const RowMatmulArgs& a, const TileWork& t, int64_t col_begin,
                           const float* c_s, int ld) {
   const int64_t rows = t.row_end - t.row_begin;
@@ -111,56 +117,85 @@ __device__ void StoreTile(const RowMatmulArgs& a, const TileWork& t, int64_t col
   }
 }
 
-// CUDA cores: each thread owns 4 x 4 outputs (rows ty + 16 i, columns
-// tx + 16 j) and adds their products over k in increasing order, multiply
-// and add rounded separately.
-template <typename In>
+// CUDA cores, kTileRows x 64 tiles: each thread owns kTileRows / 16 x 4
+// outputs (rows ty + 16 i, columns tx + 16 j) and adds their products over
+// k in increasing order, multiply and add rounded separately.
+template <typename In, int kTileRows>
 struct CoreTile {
-  static constexpr int kDepth = 16;
-  static constexpr int kPerThread = 4;
+  static constexpr int kDepth = 32;
   static constexpr int kLanes = 16;  // threads along rows and along columns
+  static constexpr int kRowsPerThread = kTileRows / kLanes;
+  static constexpr int kColsPerThread = kTileCols / kLanes;
+  static constexpr int kStagedA = kTileRows * kDepth / kThreads;
+  static constexpr int kStagedB = kDepth * kTileCols / kThreads;
+  using S = typename In::Storage;
+
+  // The chunk at k0 of this block's x rows and weight columns, zeros outside.
+  struct Staged {
+    float a[kStagedA];
+    float b[kStagedB];
+
+    __device__ void Load(const RowMatmulArgs& a_, const TileWork& t, const S* w,
+                         int64_t k0, int64_t col_begin) {
+      const S* x = static_cast<const S*>(a_.x);
+#pragma unroll
+      for (int i = 0; i < kStagedA; ++i) {
+        const int e = threadIdx.x + i * kThreads;
+        const int64_t row = t.row_begin + e / kDepth, k = k0 + e % kDepth;
+        a[i] = row < t.row_end && k < a_.depth ? In::ToFloat(__ldg(x + row * a_.depth + k))
+                                               : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kStagedB; ++i) {
+        const int e = threadIdx.x + i * kThreads;
+        const int64_t k = k0 + e / kTileCols, col = col_begin + e % kTileCols;
+        b[i] = k < a_.depth && col < a_.cols ? In::ToFloat(__ldg(w + k * a_.cols + col)) : 0.0f;
+      }
+    }
+
+    __device__ void Store(float (*a_s)[kTileRows + 1], float (*b_s)[kTileCols]) const {
+#pragma unroll
+      for (int i = 0; i < kStagedA; ++i) {
+        const int e = threadIdx.x + i * kThreads;
+        a_s[e % kDepth][e / kDepth] = a[i];
+      }
+#pragma unroll
+      for (int i = 0; i < kStagedB; ++i) {
+        const int e = threadIdx.x + i * kThreads;
+        b_s[e / kTileCols][e % kTileCols] = b[i];
+      }
+    }
+  };
 
   __device__ static void Run(const RowMatmulArgs& a, const TileWork& t, int64_t col_begin) {
-    using S = typename In::Storage;
     __shared__ float a_s[kDepth][kTileRows + 1];  // [k][row]; +1: no bank conflicts
     __shared__ float b_s[kDepth][kTileCols];      // [k][col]
     __shared__ float c_s[kTileRows * kTileCols];
-    const S* x = static_cast<const S*>(a.x);
     const S* w = static_cast<const S*>(a.w) + t.group * a.depth * a.cols;
     const int tx = threadIdx.x % kLanes, ty = threadIdx.x / kLanes;
-    float acc[kPerThread][kPerThread];
+    float acc[kRowsPerThread][kColsPerThread];
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
+    for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-      for (int j = 0; j < kPerThread; ++j) acc[i][j] = 0.0f;
+      for (int j = 0; j < kColsPerThread; ++j) acc[i][j] = 0.0f;
     }
+    Staged staged;
+    staged.Load(a, t, w, 0, col_begin);
     for (int64_t k0 = 0; k0 < a.depth; k0 += kDepth) {
-#pragma unroll
-      for (int i = 0; i < kTileRows * kDepth / kThreads; ++i) {
-        const int e = threadIdx.x + i * kThreads;
-        const int r = e / kDepth, kk = e % kDepth;
-        const int64_t row = t.row_begin + r, k = k0 + kk;
-        a_s[kk][r] = row < t.row_end && k < a.depth ? In::ToFloat(x[row * a.depth + k]) : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < kDepth * kTileCols / kThreads; ++i) {
-        const int e = threadIdx.x + i * kThreads;
-        const int kk = e / kTileCols, c = e % kTileCols;
-        const int64_t k = k0 + kk, col = col_begin + c;
-        b_s[kk][c] = k < a.depth && col < a.cols ? In::ToFloat(w[k * a.cols + col]) : 0.0f;
-      }
+      staged.Store(a_s, b_s);
       __syncthreads();
+      if (k0 + kDepth < a.depth) staged.Load(a, t, w, k0 + kDepth, col_begin);
       const int depth = static_cast<int>(min(int64_t{kDepth}, a.depth - k0));
       for (int kk = 0; kk < depth; ++kk) {
-        float av[kPerThread], bv[kPerThread];
+        float av[kRowsPerThread], bv[kColsPerThread];
 #pragma unroll
-        for (int i = 0; i < kPerThread; ++i) av[i] = a_s[kk][ty + kLanes * i];
+        for (int i = 0; i < kRowsPerThread; ++i) av[i] = a_s[kk][ty + kLanes * i];
 #pragma unroll
-        for (int j = 0; j < kPerThread; ++j) bv[j] = b_s[kk][tx + kLanes * j];
+        for (int j = 0; j < kColsPerThread; ++j) bv[j] = b_s[kk][tx + kLanes * j];
 #pragma unroll
-        for (int i = 0; i < kPerThread; ++i) {
+        for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-          for (int j = 0; j < kPerThread; ++j) {
+          for (int j = 0; j < kColsPerThread; ++j) {
             acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(av[i], bv[j]));
           }
         }
@@ -168,9 +203,9 @@ struct CoreTile {
       __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
+    for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-      for (int j = 0; j < kPerThread; ++j) {
+      for (int j = 0; j < kColsPerThread; ++j) {
         c_s[(ty + kLanes * i) * kTileCols + tx + kLanes * j] = acc[i][j];
       }
     }
@@ -180,10 +215,12 @@ struct CoreTile {
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// Tensor cores: 8 warps, each computing 16 rows x 32 columns of the tile as
-// two 16x16 accumulators, over k steps of 16 in increasing order.
+// Tensor cores, 64 x 64 tiles: 8 warps, each computing 16 rows x 32 columns
+// of the tile as two 16x16 accumulators, over k steps of 16 in increasing
+// order.
 struct MmaTile {
-  static constexpr int kDepth = 32;
+  static constexpr int kTileRows = static_cast<int>(kRowMatmulTileRows);
+  static constexpr int kDepth = 64;
   static constexpr int kMma = 16;
   static constexpr int kVec = 8;  // bf16 per 16-byte access
   // Row pitches (elements) keep every fragment 32-byte aligned, as wmma needs.
@@ -191,62 +228,65 @@ struct MmaTile {
   static constexpr int kPitchB = kTileCols + 8;
   static constexpr int kPitchC = kTileCols + 4;
   static constexpr int kWarpCols = 32;
+  static constexpr int kVecsA = kTileRows * kDepth / (kThreads * kVec);
+  static constexpr int kVecsB = kDepth * kTileCols / (kThreads * kVec);
+  static_assert(kVecsA * kThreads * kVec == kTileRows * kDepth, "whole A accesses");
+  static_assert(kVecsB * kThreads * kVec == kDepth * kTileCols, "whole B accesses");
 
   using Bits = unsigned short;
+  using Vec = Fragment<Bits, 16>;
 
-  // x rows [row_begin, row_end) x k [k0, k0 + kDepth), zeros elsewhere.
-  __device__ static void LoadA(const RowMatmulArgs& a, const TileWork& t, int64_t k0,
-                               bool vec, Bits (*a_s)[kPitchA]) {
-    const Bits* x = static_cast<const Bits*>(a.x);
-    if (vec) {
-      const int r = threadIdx.x / (kDepth / kVec), kk = threadIdx.x % (kDepth / kVec) * kVec;
-      const int64_t row = t.row_begin + r, k = k0 + kk;
-      Fragment<Bits, 16> f;
-      if (row < t.row_end && k < a.depth) {
-        f.Load(x + row * a.depth + k);
-      } else {
-        f.Zero();
-      }
-      f.Store(&a_s[r][kk]);
-      return;
-    }
-#pragma unroll
-    for (int i = 0; i < kTileRows * kDepth / kThreads; ++i) {
-      const int e = threadIdx.x + i * kThreads;
-      const int r = e / kDepth, kk = e % kDepth;
-      const int64_t row = t.row_begin + r, k = k0 + kk;
-      a_s[r][kk] = row < t.row_end && k < a.depth ? __ldg(x + row * a.depth + k) : Bits{0};
-    }
-  }
+  // The chunk at k0 of this block's x rows [kTileRows x kDepth] and weight
+  // columns [kDepth x 64] in 8-element pieces, zeros outside. With `vec_*`
+  // every piece is one aligned 16-byte load, else 8 scalar loads.
+  struct Staged {
+    Vec a[kVecsA];
+    Vec b[kVecsB];
 
-  // w_g rows k [k0, k0 + kDepth) x columns [col_begin, col_begin + 64).
-  __device__ static void LoadB(const RowMatmulArgs& a, const Bits* w, int64_t k0,
-                               int64_t col_begin, bool vec, Bits (*b_s)[kPitchB]) {
-    if (vec) {
-      const int kk = threadIdx.x / (kTileCols / kVec), c = threadIdx.x % (kTileCols / kVec) * kVec;
-      const int64_t k = k0 + kk, col = col_begin + c;
-      Fragment<Bits, 16> f;
-      if (k < a.depth && col < a.cols) {
-        f.Load(w + k * a.cols + col);
-      } else {
-        f.Zero();
+    __device__ static void LoadPiece(Vec& f, const Bits* src, int64_t valid, bool vec) {
+      if (vec && valid >= kVec) {
+        f.Load(src);
+        return;
       }
-      f.Store(&b_s[kk][c]);
-      return;
-    }
 #pragma unroll
-    for (int i = 0; i < kDepth * kTileCols / kThreads; ++i) {
-      const int e = threadIdx.x + i * kThreads;
-      const int kk = e / kTileCols, c = e % kTileCols;
-      const int64_t k = k0 + kk, col = col_begin + c;
-      b_s[kk][c] = k < a.depth && col < a.cols ? __ldg(w + k * a.cols + col) : Bits{0};
+      for (int e = 0; e < kVec; ++e) f.elem[e] = e < valid ? __ldg(src + e) : Bits{0};
     }
-  }
+
+    __device__ void Load(const RowMatmulArgs& a_, const TileWork& t, const Bits* w,
+                         int64_t k0, int64_t col_begin, bool vec_a, bool vec_b) {
+      const Bits* x = static_cast<const Bits*>(a_.x);
+#pragma unroll
+      for (int i = 0; i < kVecsA; ++i) {
+        const int p = threadIdx.x + i * kThreads;
+        const int64_t row = t.row_begin + p / (kDepth / kVec), k = k0 + p % (kDepth / kVec) * kVec;
+        const int64_t valid = row < t.row_end ? min(a_.depth - k, int64_t{kVec}) : 0;
+        LoadPiece(a[i], x + row * a_.depth + k, valid, vec_a);
+      }
+#pragma unroll
+      for (int i = 0; i < kVecsB; ++i) {
+        const int p = threadIdx.x + i * kThreads;
+        const int64_t k = k0 + p / (kTileCols / kVec), col = col_begin + p % (kTileCols / kVec) * kVec;
+        const int64_t valid = k < a_.depth ? min(a_.cols - col, int64_t{kVec}) : 0;
+        LoadPiece(b[i], w + k * a_.cols + col, valid, vec_b);
+      }
+    }
+
+    __device__ void Store(Bits (*a_s)[kPitchA], Bits (*b_s)[kPitchB]) const {
+#pragma unroll
+      for (int i = 0; i < kVecsA; ++i) {
+        const int p = threadIdx.x + i * kThreads;
+        a[i].Store(&a_s[p / (kDepth / kVec)][p % (kDepth / kVec) * kVec]);
+      }
+#pragma unroll
+      for (int i = 0; i < kVecsB; ++i) {
+        const int p = threadIdx.x + i * kThreads;
+        b[i].Store(&b_s[p / (kTileCols / kVec)][p % (kTileCols / kVec) * kVec]);
+      }
+    }
+  };
 
   __device__ static void Run(const RowMatmulArgs& a, const TileWork& t, int64_t col_begin) {
     namespace wmma = nvcuda::wmma;
-    static_assert(kTileRows * kDepth == kThreads * kVec, "one A access per thread");
-    static_assert(kDepth * kTileCols == kThreads * kVec, "one B access per thread");
     __shared__ __align__(128) Bits a_s[kTileRows][kPitchA];
     __shared__ __align__(128) Bits b_s[kDepth][kPitchB];
     __shared__ __align__(128) float c_s[kTileRows * kPitchC];
@@ -261,12 +301,14 @@ struct MmaTile {
     wmma::fragment<wmma::accumulator, kMma, kMma, kMma, float> acc[kWarpCols / kMma];
 #pragma unroll
     for (auto& f : acc) wmma::fill_fragment(f, 0.0f);
+    Staged staged;
+    staged.Load(a, t, w, 0, col_begin, vec_a, vec_b);
     for (int64_t k0 = 0; k0 < a.depth; k0 += kDepth) {
-      LoadA(a, t, k0, vec_a, a_s);
-      LoadB(a, w, k0, col_begin, vec_b, b_s);
+      staged.Store(a_s, b_s);
       __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < kDepth; kk += kMma) {
+      if (k0 + kDepth < a.depth) staged.Load(a, t, w, k0 + kDepth, col_begin, vec_a, vec_b);
+      const int depth = static_cast<int>(min(int64_t{kDepth}, a.depth - k0));
+      for (int kk = 0; kk < depth; kk += kMma) {
         wmma::fragment<wmma::matrix_a, kMma, kMma, kMma, __nv_bfloat16, wmma::row_major> fa;
         wmma::load_matrix_sync(fa, reinterpret_cast<const __nv_bfloat16*>(&a_s[warp_row][kk]),
                                kPitchA);
@@ -291,14 +333,14 @@ struct MmaTile {
   }
 };
 #else
-struct MmaTile : CoreTile<BF16> {};
+struct MmaTile : CoreTile<BF16, static_cast<int>(kRowMatmulTileRows)> {};
 #endif
 
-template <typename Tile>
+template <typename Tile, int kTileRows>
 __global__ void __launch_bounds__(kThreads) RowMatmulKernel(RowMatmulArgs a) {
   __shared__ TileWork work;
   if (threadIdx.x < kWarpThreads) {
-    const TileWork found = FindTile(a, blockIdx.x);
+    const TileWork found = FindTile<kTileRows>(a, blockIdx.x);
     if (threadIdx.x == 0) work = found;
   }
   __syncthreads();
@@ -316,17 +358,22 @@ __global__ void __launch_bounds__(kThreads) RowMatmulKernel(RowMatmulArgs a) {
 cudaError_t LaunchRowMatmul(const RowMatmulArgs& args, ElemType in_type,
                             cudaStream_t stream) {
   if (args.rows <= 0 || args.cols <= 0) return cudaSuccess;
-  const int64_t row_tiles = RowMatmulRowTiles(args.rows, args.groups);
+  if (in_type != ElemType::kF32 && in_type != ElemType::kBF16) return cudaErrorInvalidValue;
+  const int64_t tile_rows = RowMatmulTileRowsFor(args.rows, in_type);
+  const int64_t row_tiles = RowMatmulRowTiles(args.rows, args.groups, tile_rows);
   const int64_t col_tiles = RowMatmulColTiles(args.cols);
-  if (row_tiles > kRowMatmulMaxRowTiles || col_tiles > kRowMatmulMaxColTiles ||
-      (in_type != ElemType::kF32 && in_type != ElemType::kBF16)) {
+  if (row_tiles > kRowMatmulMaxRowTiles || col_tiles > kRowMatmulMaxColTiles) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles));
+  constexpr int kSkinny = static_cast<int>(kRowMatmulSkinnyTileRows);
+  constexpr int kFull = static_cast<int>(kRowMatmulTileRows);
   if (in_type == ElemType::kBF16) {
-    RowMatmulKernel<MmaTile><<<grid, kThreads, 0, stream>>>(args);
+    RowMatmulKernel<MmaTile, kFull><<<grid, kThreads, 0, stream>>>(args);
+  } else if (tile_rows == kSkinny) {
+    RowMatmulKernel<CoreTile<F32, kSkinny>, kSkinny><<<grid, kThreads, 0, stream>>>(args);
   } else {
-    RowMatmulKernel<CoreTile<F32>><<<grid, kThreads, 0, stream>>>(args);
+    RowMatmulKernel<CoreTile<F32, kFull>, kFull><<<grid, kThreads, 0, stream>>>(args);
   }
   return cudaGetLastError();
 }

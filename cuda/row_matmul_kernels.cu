@@ -8,9 +8,10 @@
 // depends on (M, G, N) only. A tile never mixes groups: its rows past the
 // group's end are computed from zeros and not stored.
 //
-// Pipelining: a block stages the next k chunk of its x rows and weights in
-// registers while it multiplies the chunk in shared memory, so the loads of
-// one chunk overlap the arithmetic of the previous one.
+// Pipelining (bfloat16 and 16-row float32 tiles): a block stages the next k
+// chunk of its x rows and weights in registers while it multiplies the
+// chunk in shared memory, so the loads of one chunk overlap the arithmetic
+// of the previous one.
 //
 // Arithmetic, the same for every M and tile shape (which is what makes rows
 // invariant):
@@ -119,10 +120,15 @@ __device__ void StoreTile(const RowMatmulArgs& a, const TileWork& t, int64_t col
 
 // CUDA cores, kTileRows x 64 tiles: each thread owns kTileRows / 16 x 4
 // outputs (rows ty + 16 i, columns tx + 16 j) and adds their products over
-// k in increasing order, multiply and add rounded separately.
+// k in increasing order, multiply and add rounded separately. Skinny tiles
+// prefetch the next, deeper chunk: their blocks are few when M is small, so
+// each needs loads in flight; the 64-row tile's blocks fill the GPU, and it
+// runs faster with the registers of four resident blocks per SM than with
+// a prefetch.
 template <typename In, int kTileRows>
 struct CoreTile {
-  static constexpr int kDepth = 32;
+  static constexpr bool kPrefetch = kTileRows == static_cast<int>(kRowMatmulSkinnyTileRows);
+  static constexpr int kDepth = kPrefetch ? 32 : 16;
   static constexpr int kLanes = 16;  // threads along rows and along columns
   static constexpr int kRowsPerThread = kTileRows / kLanes;
   static constexpr int kColsPerThread = kTileCols / kLanes;
@@ -180,11 +186,12 @@ struct CoreTile {
       for (int j = 0; j < kColsPerThread; ++j) acc[i][j] = 0.0f;
     }
     Staged staged;
-    staged.Load(a, t, w, 0, col_begin);
+    if (kPrefetch) staged.Load(a, t, w, 0, col_begin);
     for (int64_t k0 = 0; k0 < a.depth; k0 += kDepth) {
+      if (!kPrefetch) staged.Load(a, t, w, k0, col_begin);
       staged.Store(a_s, b_s);
       __syncthreads();
-      if (k0 + kDepth < a.depth) staged.Load(a, t, w, k0 + kDepth, col_begin);
+      if (kPrefetch && k0 + kDepth < a.depth) staged.Load(a, t, w, k0 + kDepth, col_begin);
       const int depth = static_cast<int>(min(int64_t{kDepth}, a.depth - k0));
       for (int kk = 0; kk < depth; ++kk) {
         float av[kRowsPerThread], bv[kColsPerThread];

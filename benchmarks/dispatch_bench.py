@@ -73,6 +73,12 @@ flags.DEFINE_enum("timing", "host", ["host", "loop"],
                   "host: time each step around a synchronous call (percentiles); loop: run "
                   "all steps inside one jitted fori_loop and report the mean per step "
                   "(device-side latency, no host dispatch between steps).")
+flags.DEFINE_enum("consume", "sum", ["sum", "first_row"],
+                  "With --timing=loop, what each step adds to the loop's result: the float32 "
+                  "sum of its whole output (sum: reads every delivered row, the padded receive "
+                  "buffer of a dispatch included) or of its first row only (first_row: the "
+                  "step's kernels all run, but no read of the output is timed; comparable to "
+                  "published kernel-only dispatch latencies).")
 flags.DEFINE_integer("loop_unroll", 1, "With --timing=loop: steps per loop iteration "
                      "(amortizes the loop's own per-iteration cost).")
 
@@ -180,6 +186,8 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
         def looped(x, ids_steps, w_steps, *extra):
             def step(i, acc):
                 out = body(x, ids_steps[i], w_steps[i], *extra)
+                if FLAGS.consume == "first_row":
+                    out = out.reshape(-1, out.shape[-1])[:1]
                 return acc + jnp.sum(out.astype(jnp.float32))
             return jax.lax.fori_loop(0, ids_steps.shape[0], step, jnp.zeros((), jnp.float32),
                                      unroll=FLAGS.loop_unroll)
@@ -357,7 +365,7 @@ def _write(results, devices, bandwidth, partial):
         moe_jax=mj.__version__, moe_jax_source_sha256=source_digest(),
         python=platform.python_version(),
         alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9, hidden=FLAGS.hidden,
-        timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll,
+        timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll, consume=FLAGS.consume,
         experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
         xla_flags=os.environ.get("XLA_FLAGS", ""))
     stem = os.path.join(FLAGS.out, FLAGS.tag)

@@ -43,7 +43,13 @@ def write_report(json_path: str) -> str:
                   "median over 3 such runs of their mean per step, `p99` the slowest "
                   "run (no per-step percentiles in this mode)"
                   + (f"; the loop body holds {meta['loop_unroll']} steps."
-                     if meta.get("loop_unroll", 1) > 1 else "."), ""]
+                     if meta.get("loop_unroll", 1) > 1 else ".")
+                  + (" Each step adds only its output's first row to the loop's result "
+                     "(`--consume=first_row`): no read of the delivered rows is timed."
+                     if meta.get("consume") == "first_row" else
+                     " Each step adds the sum of its whole output to the loop's result, "
+                     "so a read of every delivered row (a dispatch's padded receive "
+                     "buffer included) is timed."), ""]
     lines += ["Latencies in microseconds, timed per step on the host around a "
               "synchronous call (includes JAX's dispatch overhead) unless the timing "
               "is `loop`; `pipelined` is the mean of back-to-back calls. `floor` is the time to move the "

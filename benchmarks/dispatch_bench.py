@@ -268,8 +268,9 @@ def main(argv):
     experts_per_rank = FLAGS.experts // ranks
     devices = jax.devices()
     sharding = NamedSharding(mesh, P("ep"))
-    bandwidth = _alltoall_bandwidth(mesh, ranks)
-    print(f"{ranks} x {devices[0].device_kind}; all-to-all {bandwidth / 1e9:.1f} GB/s per GPU",
+    bandwidth = _alltoall_bandwidth(mesh, ranks) if ranks > 1 else None  # None: no peers
+    print(f"{ranks} x {devices[0].device_kind}; all-to-all "
+          + (f"{bandwidth / 1e9:.1f} GB/s per GPU" if bandwidth else "(one device, no peers)"),
           flush=True)
     experts = None
     if "layer" in FLAGS.phases:
@@ -295,9 +296,10 @@ def main(argv):
             for i in ids for r in range(ranks)])
         actual_rows = float(np.mean(counts.sum(1) - counts[np.arange(len(counts)),
                                                              np.arange(len(counts)) % ranks]))
-        floor_us = actual_rows * FLAGS.hidden * 2 / bandwidth * 1e6 * 2
         busiest_rows = _busiest_gpu_rows(counts.reshape(len(ids), ranks, ranks))
-        busiest_floor_us = busiest_rows * FLAGS.hidden * 2 / bandwidth * 1e6 * 2
+        floor_us, busiest_floor_us = (
+            (rows * FLAGS.hidden * 2 / bandwidth * 1e6 * 2 if bandwidth else None)
+            for rows in (actual_rows, busiest_rows))
         configs = []
         for method in FLAGS.methods:
             if method == "cap_and_spill:nvlink":  # C does not change what moves
@@ -364,7 +366,8 @@ def _write(results, devices, bandwidth, partial):
         jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
         moe_jax=mj.__version__, moe_jax_source_sha256=source_digest(),
         python=platform.python_version(),
-        alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9, hidden=FLAGS.hidden,
+        alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9 if bandwidth else None,
+        hidden=FLAGS.hidden,
         timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll, consume=FLAGS.consume,
         experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
         xla_flags=os.environ.get("XLA_FLAGS", ""))

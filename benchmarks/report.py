@@ -31,8 +31,10 @@ def write_report(json_path: str) -> str:
              f"- d={meta['hidden']} bf16, E={meta['experts']}, top-{meta['top_k']}, "
              f"{meta['steps']} measured steps per row, fresh routing every step "
              "(calibrated Mixtral-8x7B trace model)",
-             f"- all-to-all bandwidth measured in the same run: "
-             f"{meta['alltoall_bandwidth_GBps_per_gpu']:.1f} GB/s sent per GPU",
+             "- all-to-all bandwidth measured in the same run: "
+             + (f"{meta['alltoall_bandwidth_GBps_per_gpu']:.1f} GB/s sent per GPU"
+                if meta.get("alltoall_bandwidth_GBps_per_gpu") else
+                "none (one device: no row leaves it, no byte floor)"),
              f"- XLA_FLAGS: `{meta['xla_flags'] or '(none)'}`",
              ""]
     if meta.get("partial"):

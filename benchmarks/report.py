@@ -34,7 +34,9 @@ def write_report(json_path: str) -> str:
              "- all-to-all bandwidth measured in the same run: "
              + (f"{meta['alltoall_bandwidth_GBps_per_gpu']:.1f} GB/s sent per GPU"
                 if meta.get("alltoall_bandwidth_GBps_per_gpu") else
-                "none (one device: no row leaves it, no byte floor)"),
+                "none (one device: no row leaves it, no byte floor; `dispatch_combine` "
+                "takes its local path whatever the transport, so the `:nvlink` dc rows "
+                "run no NVLink kernels, while the dispatch rows and the fp8 rows do)"),
              f"- XLA_FLAGS: `{meta['xla_flags'] or '(none)'}`",
              ""]
     if meta.get("partial"):

@@ -71,7 +71,8 @@ from moe_jax.async_ep.costs import CostTable  # noqa: E402
 from moe_jax.async_ep.dispatcher import Placement  # noqa: E402
 from moe_jax.async_ep.executor import TimedAsyncEngine  # noqa: E402
 from moe_jax.async_ep.model import (LayerKernels, TinyMoEConfig, bucket_for, init_params,  # noqa: E402
-                                    realized_expert_shares, target_expert_shares)
+                                    normalized_gaussian_rows, realized_expert_shares,
+                                    target_expert_shares)
 from moe_jax.async_ep.requests import Request  # noqa: E402
 from moe_jax.async_ep.schedulers import make_scheduler  # noqa: E402
 
@@ -267,9 +268,8 @@ def main(argv):
                   f"util {m['util_mean']:.2f}/{m['util_max']:.2f}  "
                   f"host {m['host_wall_s']:.1f}s", flush=True)
     # Expert load skew: the router's top-k picks on random normalized inputs.
-    x = np.random.default_rng(1).normal(size=(4096, config.hidden)).astype(np.float32)
     p0 = kernels.params["blocks"][0]
-    xn = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    xn = normalized_gaussian_rows(4096, config.hidden, seed=1, dtype=np.float32)
     logits = xn @ p0["router"] + p0["router_bias"]
     share = realized_expert_shares(logits, config.top_k)
     target = target_expert_shares(config.num_experts, config.top_k, config.expert_skew)

@@ -9,14 +9,16 @@ from moe_jax.async_ep.requests import Request
 from moe_jax.async_ep.schedulers import make_scheduler
 
 
-def random_requests(num, vocab, seed, max_prompt=4, max_new=5):
-    """Requests with random prompts, lengths and arrival ticks."""
+def random_requests(num, vocab, seed, max_prompt=4, max_new=5, arrivals=None):
+    """Requests with random prompts, lengths and arrival ticks in [0, 6)
+    (or the given `arrivals`)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(num):
-        prompt = rng.integers(0, vocab, int(rng.integers(1, max_prompt + 1)))
-        out.append(Request(i, [int(t) for t in prompt], int(rng.integers(1, max_new + 1)),
-                           arrival=int(rng.integers(0, 6))))
+        length = int(rng.integers(1, max_prompt + 1))
+        prompt = [int(t) for t in rng.integers(0, vocab, size=length)]
+        arrival = int(rng.integers(0, 6)) if arrivals is None else arrivals[i]
+        out.append(Request(i, prompt, int(rng.integers(1, max_new + 1)), arrival=arrival))
     return out
 
 

@@ -34,13 +34,7 @@ def kernels():
 
 
 def make_requests(num, seed, arrivals=None):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(num):
-        prompt = [int(t) for t in rng.integers(0, CONFIG.vocab, size=int(rng.integers(1, 5)))]
-        arrival = int(rng.integers(0, 6)) if arrivals is None else arrivals[i]
-        out.append(Request(i, prompt, int(rng.integers(1, 6)), arrival=arrival))
-    return out
+    return random_requests(num, CONFIG.vocab, seed, arrivals=arrivals)
 
 
 _SYNC_CACHE = {}
@@ -430,7 +424,8 @@ def test_measured_cost_table_and_donated_caches():
 def test_expert_skew_is_the_realized_load(hidden, num_experts, top_k, skew):
     """The routers' picks on fresh normalized inputs follow exp(-skew * e / E),
     whatever the hidden size (a fixed logit bias would fade as logits grow)."""
-    from moe_jax.async_ep.model import realized_expert_shares, target_expert_shares
+    from moe_jax.async_ep.model import (normalized_gaussian_rows, realized_expert_shares,
+                                        target_expert_shares)
     config = TinyMoEConfig(vocab=8, hidden=hidden, ffn=8, heads=1, num_blocks=2,
                            num_experts=num_experts, top_k=top_k, max_len=4, expert_skew=skew)
     target = target_expert_shares(num_experts, top_k, skew)
@@ -440,8 +435,7 @@ def test_expert_skew_is_the_realized_load(hidden, num_experts, top_k, skew):
     ratios = target[uncapped][1:] / target[uncapped][:-1]
     np.testing.assert_allclose(ratios, np.exp(-skew / num_experts), rtol=1e-9)
     params = init_params(jax.random.PRNGKey(7), config)
-    x = np.random.default_rng(123).normal(size=(16384, hidden))
-    u = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    u = normalized_gaussian_rows(16384, hidden, seed=123)
     for p in params["blocks"]:
         share = realized_expert_shares(u @ p["router"] + p["router_bias"], top_k)
         np.testing.assert_allclose(share, target, atol=0.02)

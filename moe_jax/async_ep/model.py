@@ -100,13 +100,19 @@ def skewed_router_bias(router: np.ndarray, top_k: int, target: np.ndarray,
     num_experts = router.shape[1]
     if np.allclose(target, 1.0 / num_experts):
         return np.zeros((num_experts,), np.float32)
-    x = np.random.default_rng(seed).normal(size=(samples, router.shape[0]))
-    logits = (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)) @ router
+    logits = normalized_gaussian_rows(samples, router.shape[0], seed) @ router
     bias = np.log(target) * np.std(logits)
     for _ in range(iterations):
         share = realized_expert_shares(logits + bias, top_k)
         bias += 0.5 * np.log(target / np.maximum(share, 0.5 / (samples * top_k)))
     return bias.astype(np.float32)
+
+
+def normalized_gaussian_rows(num: int, hidden: int, seed: int, dtype=np.float64) -> np.ndarray:
+    """[num, hidden] Gaussian rows scaled to unit RMS (in `dtype`): the model
+    of the expert inputs u = RMSNorm(h) that router biases are fitted on."""
+    x = np.random.default_rng(seed).normal(size=(num, hidden)).astype(dtype)
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
 
 
 def realized_expert_shares(logits: np.ndarray, top_k: int) -> np.ndarray:

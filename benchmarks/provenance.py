@@ -18,3 +18,38 @@ def source_digest() -> str:
                     with open(os.path.join(dirpath, name), "rb") as f:
                         digest.update(name.encode() + f.read())
     return digest.hexdigest()[:16]
+
+
+def extension_digest() -> dict[str, str]:
+    """sha256 (16 hex digits) of each compiled moe_jax extension that loads
+    ({module: digest}; absent modules are left out)."""
+    import importlib
+
+    out = {}
+    for name in ("_ffi_cpu", "_ffi_cuda"):
+        try:
+            module = importlib.import_module(f"moe_jax.{name}")
+        except ImportError:
+            continue
+        with open(module.__file__, "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()[:16]
+    return out
+
+
+def commit() -> str:
+    """The commit the sources come from: $MOE_JAX_COMMIT when set (a copy of
+    the tree without .git), else `git rev-parse HEAD`, with "+dirty" when the
+    tree has uncommitted changes; "unknown" without either."""
+    import subprocess
+
+    env = os.environ.get("MOE_JAX_COMMIT")
+    if env:
+        return env
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=_ROOT, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty.strip() else "")

@@ -11,4 +11,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxCombineCuda);
 // Registered as "moe_jax_row_matmul" for platform "CUDA" (row_matmul_handler.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxRowMatmulCuda);
 
+// Registered as "moe_jax_grouped_matmul" for platform "CUDA"
+// (grouped_gemm_handler.cc; Hopper GPUs).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxGroupedMatmulCuda);
+
 #endif  // MOE_JAX_CUDA_HANDLERS_CUDA_H_

@@ -1,15 +1,16 @@
 // moe_jax._ffi_cuda: hands the CUDA FFI handlers to Python for
 // jax.ffi.register_ffi_target(name, value, platform="CUDA"), where value is a
 // handler capsule or, for multi-stage handlers, {stage name: capsule}.
+#include <cstdint>
 #include <utility>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include "grouped_gemm.h"
 #include "handlers_cuda.h"
 #include "nvlink_handlers.h"
 #ifdef MOE_JAX_WITH_NCCL
-#include <nanobind/stl/string.h>
-
 #include "fast_staged_all_to_all.h"
 #include "nccl_all_to_all.h"
 #include "nccl_loader.h"
@@ -27,6 +28,8 @@ NB_MODULE(_ffi_cuda, m) {
             nb::capsule(reinterpret_cast<void*>(MoeJaxCombineCuda));
         d["moe_jax_row_matmul"] =
             nb::capsule(reinterpret_cast<void*>(MoeJaxRowMatmulCuda));
+        d["moe_jax_grouped_matmul"] =
+            nb::capsule(reinterpret_cast<void*>(MoeJaxGroupedMatmulCuda));
         const std::pair<const char*, void*> nvlink[] = {
             {"moe_jax_nvlink_dispatch", reinterpret_cast<void*>(MoeJaxNvlinkDispatch)},
             {"moe_jax_nvlink_combine", reinterpret_cast<void*>(MoeJaxNvlinkCombine)},
@@ -81,4 +84,12 @@ NB_MODULE(_ffi_cuda, m) {
 #else
   m.attr("with_nccl") = false;
 #endif
+  m.def(
+      "grouped_matmul_workspace_bytes",
+      [](int64_t groups) { return moe_jax::cuda::GroupedGemmWorkspaceBytes(groups); },
+      "Bytes of the u8 workspace result moe_jax_grouped_matmul takes for G groups.");
+  m.def(
+      "grouped_matmul_device_error",
+      []() { return moe_jax::cuda::GroupedGemmDeviceError(); },
+      "\"\" when the current CUDA device runs the grouped GEMM (Hopper), else why not.");
 }

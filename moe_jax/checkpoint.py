@@ -1,10 +1,13 @@
 """Save and restore the example decoder's parameters with orbax-checkpoint.
 
-Expert weights (``w_gate``, ``w_up``, ``w_down``, stacked ``[E, ...]``) are
-saved as they lie, split over the expert axis, and restored onto any mesh:
-the target sharding is built for the *new* mesh, so a checkpoint written at
-one expert-parallel size loads at another (orbax reads each device's slice of
-the global array). Everything else is replicated.
+Expert weights (``w_gate_up``, ``w_down``, stacked ``[E, ...]``) are saved
+as they lie, split over the expert axis, and restored onto any mesh: the
+target sharding is built for the *new* mesh, so a checkpoint written at one
+expert-parallel size loads at another (orbax reads each device's slice of
+the global array). Everything else is replicated. Checkpoints written before
+the gate and up weights were fused (separate ``w_gate`` / ``w_up``
+``[E, D, F]``) restore too: their two weights are read with the target
+sharding and fused (``moe_jax.ops.grouped_matmul.fuse_gate_up``).
 
 Layout of a checkpoint directory::
 
@@ -33,6 +36,7 @@ from jax.sharding import SingleDeviceSharding
 from moe_jax.config import MoEConfig
 from moe_jax.models.decoder import DecoderConfig, init_params
 from moe_jax.models.sharding import param_shardings, shard_params
+from moe_jax.ops.grouped_matmul import fuse_gate_up
 
 __all__ = ["abstract_params", "load_config", "restore_params", "save_params"]
 
@@ -162,5 +166,61 @@ def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = Non
             a, b = _field(saved, name), _field(cfg, name)
             if a != b:
                 raise ValueError(f"cfg: {name}={b!r} differs from the checkpoint's {a!r}")
+    path = os.path.join(directory, _PARAMS)
+    target = abstract_params(cfg, mesh)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.join(directory, _PARAMS), abstract_params(cfg, mesh))
+        saved_tree = ckptr.metadata(path).item_metadata.tree
+        legacy = _has_separate_gate_up(saved_tree)
+        restored = ckptr.restore(path, _separate_gate_up(target) if legacy else target)
+    return _fuse_gate_up(restored, target) if legacy else restored
+
+
+def _has_separate_gate_up(tree) -> bool:
+    return any(isinstance(node, dict) and "w_gate" in node and "w_up" in node
+               for node in _dicts(tree))
+
+
+def _dicts(tree):
+    if isinstance(tree, dict):
+        yield tree
+        for value in tree.values():
+            yield from _dicts(value)
+
+
+def _map_moe(tree, fn):
+    """Applies fn to every dict holding expert weights (the "moe" dicts)."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {k: _map_moe(v, fn) for k, v in tree.items()}
+    return fn(out) if "w_down" in out else out
+
+
+def _separate_gate_up(target):
+    """The abstract tree with each w_gate_up [E, D, 2F] as w_gate / w_up [E, D, F]."""
+    def split(moe):
+        if "w_gate_up" not in moe:
+            return moe
+        moe = dict(moe)
+        fused = moe.pop("w_gate_up")
+        e, d, two_f = fused.shape
+        half = jax.ShapeDtypeStruct((e, d, two_f // 2), fused.dtype, sharding=fused.sharding)
+        moe["w_gate"], moe["w_up"] = half, half
+        return moe
+    return _map_moe(target, split)
+
+
+def _fuse_gate_up(restored, target):
+    """Fuses restored w_gate / w_up into w_gate_up with the target's sharding."""
+    def fuse(moe, target_moe):
+        moe = dict(moe)
+        sharding = target_moe["w_gate_up"].sharding
+        fused = jax.jit(fuse_gate_up, out_shardings=sharding)(moe.pop("w_gate"), moe.pop("w_up"))
+        moe["w_gate_up"] = fused
+        return moe
+
+    def walk(node, target_node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: walk(v, target_node[k]) if k in target_node else v for k, v in node.items()}
+        return fuse(node, target_node) if "w_gate" in node and "w_up" in node else node
+    return walk(restored, target)

@@ -17,7 +17,7 @@ STRATEGIES = ("dense", "max_counts", "cap_and_spill", "ragged")
 TRANSPORTS = ("lax", "custom_call", "nvlink")
 KERNEL_IMPLS = ("custom_call", "reference")
 ROUTERS = ("softmax", "sigmoid_grouped")
-MATMULS = ("xla", "row_invariant")
+MATMULS = ("auto", "cutlass", "row_invariant", "xla")
 
 
 def _require(cond: bool, argument: str, message: str) -> None:
@@ -72,13 +72,18 @@ class MoEConfig:
       load_balance_coef / router_z_coef: weights of the auxiliary losses.
       dtype: dtype of activations and expert matmul inputs.
       param_dtype: dtype of the parameters.
-      matmul: how the router and the experts multiply: "xla" (XLA's dots,
-        the fastest; on GPU the bits of a row can change with the number of
-        rows in the call, so strategies and EP sizes may differ in the last
-        bits) or "row_invariant" (`moe_jax.row_invariant`: every row's bits
-        depend only on that row and its expert's weights, so every strategy
-        and EP size gives bitwise the same layer output; dtype bfloat16 or
-        float32).
+      matmul: how the experts (and, with "row_invariant", the router)
+        multiply; see moe_jax.ops.grouped_matmul. "auto" (default): the
+        CUTLASS grouped GEMM on Hopper GPUs for bfloat16/float16 (fused
+        SwiGLU epilogue, row-invariant), XLA's `lax.ragged_dot` elsewhere.
+        "cutlass": the CUTLASS kernels, or an error where they cannot run.
+        "row_invariant": every row's bits depend only on that row and its
+        expert's weights on every platform (the CUTLASS kernels where they
+        apply, else `moe_jax.row_invariant`'s custom call; the router too),
+        so every strategy, EP size and batch gives bitwise the same layer
+        output; dtype bfloat16 or float32. "xla": `lax.ragged_dot` (on GPU
+        a dense matmul over every expert, and the bits of a row can change
+        with the number of rows in the call).
     """
 
     hidden_size: int
@@ -101,7 +106,7 @@ class MoEConfig:
     dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
     dispatch_fp8: bool = False
-    matmul: str = "xla"
+    matmul: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_size", "num_experts", "top_k"):

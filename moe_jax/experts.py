@@ -1,4 +1,4 @@
-"""Stacked SwiGLU experts and their grouped matmul over received rows."""
+"""Stacked SwiGLU experts and their grouped matmuls over received rows."""
 
 from __future__ import annotations
 
@@ -7,22 +7,39 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax import row_invariant
+from moe_jax.ops import grouped_matmul as gmm
 
 
 class ExpertWeights(NamedTuple):
     """SwiGLU weights of G experts (all experts, or one rank's shard).
 
-    w_gate: [G, H, F]; w_up: [G, H, F]; w_down: [G, F, H].
+    w_gate_up: [G, H, 2F] the gate and up projections fused: columns
+      alternate blocks of `moe_jax.ops.grouped_matmul.gate_up_block(F)` (8)
+      gate columns and the up columns of the same indices (build it with
+      `ExpertWeights.from_gate_up` or `moe_jax.ops.grouped_matmul.fuse_gate_up`).
+    w_down: [G, F, H].
     """
 
-    w_gate: jax.Array
-    w_up: jax.Array
+    w_gate_up: jax.Array
     w_down: jax.Array
+
+    @classmethod
+    def from_gate_up(cls, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+                     ) -> "ExpertWeights":
+        """From separate [G, H, F] gate and up weights."""
+        return cls(gmm.fuse_gate_up(w_gate, w_up), w_down)
 
     @property
     def num_experts(self) -> int:
-        return self.w_gate.shape[0]
+        return self.w_gate_up.shape[0]
+
+    @property
+    def ffn_size(self) -> int:
+        return self.w_down.shape[1]
+
+    def gate_up(self) -> tuple[jax.Array, jax.Array]:
+        """The separate [G, H, F] gate and up weights."""
+        return gmm.split_gate_up(self.w_gate_up)
 
 
 def init_expert_weights(key: jax.Array, num_experts: int, hidden: int, ffn: int,
@@ -30,43 +47,39 @@ def init_expert_weights(key: jax.Array, num_experts: int, hidden: int, ffn: int,
     """Scaled-normal initialization (fan-in), as a linear layer would."""
     kg, ku, kd = jax.random.split(key, 3)
     scale_in, scale_out = hidden ** -0.5, ffn ** -0.5
-    return ExpertWeights(
+    return ExpertWeights.from_gate_up(
         (jax.random.normal(kg, (num_experts, hidden, ffn)) * scale_in).astype(dtype),
         (jax.random.normal(ku, (num_experts, hidden, ffn)) * scale_in).astype(dtype),
         (jax.random.normal(kd, (num_experts, ffn, hidden)) * scale_out).astype(dtype))
 
 
 def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
-                   compute_dtype=jnp.bfloat16, matmul: str = "xla") -> jax.Array:
+                   compute_dtype=jnp.bfloat16, matmul: str = "auto",
+                   platform: str | None = None) -> jax.Array:
     """SwiGLU of each row with its expert's weights.
 
     Args:
       rows: [M, H] rows sorted by expert; rows past sum(group_sizes) are
-        padding and their outputs are unspecified.
-      group_sizes: [G] int32 rows of each expert, in order.
+        padding (their outputs are zero).
+      group_sizes: [G] int32 rows of each expert, in order (on the device).
       weights: the G experts' weights.
       compute_dtype: dtype of the matmul inputs (float32 accumulation).
-      matmul: "xla" (lax.ragged_dot) or "row_invariant" (each output row's
-        bits independent of M and of the other rows; see MoEConfig.matmul).
+      matmul: "auto", "cutlass", "row_invariant" or "xla": the
+        implementation of the grouped matmuls (see MoEConfig.matmul and
+        moe_jax.ops.grouped_matmul). With "cutlass" (the default on Hopper
+        GPUs for bfloat16/float16) the expert is two CUTLASS grouped GEMMs:
+        gate/up with a fused SwiGLU epilogue, then down.
+      platform: "cpu" or "gpu" (default: the default backend).
     Returns:
-      [M, H] in the dtype of rows.
+      [M, H] in the dtype of rows. Differentiable.
     """
+    compute_dtype = jnp.dtype(compute_dtype)
     x = rows.astype(compute_dtype)
     group_sizes = group_sizes.astype(jnp.int32)
-    dot = _grouped_dot(matmul)
-    gate = dot(x, weights.w_gate.astype(compute_dtype), group_sizes)
-    up = dot(x, weights.w_up.astype(compute_dtype), group_sizes)
-    hidden = (jax.nn.silu(gate) * up).astype(compute_dtype)
-    out = dot(hidden, weights.w_down.astype(compute_dtype), group_sizes)
+    hidden = gmm.swiglu(x, weights.w_gate_up.astype(compute_dtype), group_sizes,
+                        impl=matmul, platform=platform)
+    out_dtype = rows.dtype if jnp.dtype(rows.dtype) in (compute_dtype,
+                                                        jnp.dtype(jnp.float32)) else jnp.float32
+    out = gmm.grouped_matmul(hidden, weights.w_down.astype(compute_dtype), group_sizes,
+                             out_dtype=out_dtype, impl=matmul, platform=platform)
     return out.astype(rows.dtype)
-
-
-def _grouped_dot(matmul: str):
-    """(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N] float32."""
-    if matmul == "row_invariant":
-        return row_invariant.grouped_matmul
-    if matmul != "xla":
-        raise ValueError(f"swiglu_grouped: argument 'matmul' must be 'xla' or "
-                         f"'row_invariant', got {matmul!r}")
-    return lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes,
-                                                  preferred_element_type=jnp.float32)

@@ -90,9 +90,9 @@ def _unflatten(out: jax.Array, like: jax.Array, mesh=None, token_spec: P = P(),
     return jax.lax.reshape(out, like.shape, out_sharding=NamedSharding(mesh, spec))
 
 
-def _expert_fn(experts: ExpertWeights, config: MoEConfig):
+def _expert_fn(experts: ExpertWeights, config: MoEConfig, platform: str):
     return lambda rows, group_sizes: swiglu_grouped(rows, group_sizes, experts, config.dtype,
-                                                    config.matmul)
+                                                    config.matmul, platform)
 
 
 def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
@@ -100,7 +100,7 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
     routing = route(router_logits(tokens, params.router, config), config, params.router_bias)
     result = dispatch_combine(
         tokens.astype(config.dtype), routing.expert_ids, routing.weights,
-        _expert_fn(params.experts, config), strategy=config.strategy, ctx=ctx,
+        _expert_fn(params.experts, config, ctx.platform), strategy=config.strategy, ctx=ctx,
         experts_per_rank=params.experts.num_experts, capacity=config.capacity,
         spill_capacity=config.spill_capacity, return_delivered=return_delivered)
     psum = ctx.psum_tokens if ctx.axis_name is not None else None
@@ -171,7 +171,7 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
                           _platform(mesh), tuple(mesh.devices.flat),
                           dispatch_fp8=config.dispatch_fp8, data_axes=config.data_axes,
                           data_ranks=data_ranks)
-    expert_spec = ExpertWeights(P(axis), P(axis), P(axis))
+    expert_spec = ExpertWeights(P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
     delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
     aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * 6), delivered_spec)

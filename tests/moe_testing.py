@@ -83,8 +83,9 @@ def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, t
     ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu",
                           tuple(mesh.devices.flat), data_axes=data_axes, data_ranks=data)
 
-    def body(x, ids, w, wg, wu, wd):
-        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
+    def body(x, ids, w, w_gate_up, w_down):
+        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(w_gate_up, w_down),
+                                                    compute_dtype),
                                strategy=strategy, ctx=ctx, experts_per_rank=experts_per_rank,
                                capacity=capacity, spill_capacity=spill, return_delivered=True)
         stats = jax.tree.map(lambda s: s[None], res.stats) if data > 1 else res.stats
@@ -93,7 +94,7 @@ def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, t
     spec = P(("data", "ep")) if data > 1 else P("ep")
     stats_spec = P("data") if data > 1 else P()
     experts_spec = P("ep")
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3 + (experts_spec,) * 3,
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3 + (experts_spec,) * 2,
                                out_specs=(spec, spec, spec,
                                           mj.DispatchStats(*(stats_spec,) * 6))))
     return mesh, fn, spec
@@ -109,7 +110,7 @@ def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capac
     Returns (out [T, H], delivered rows [data * ranks, R, H], valid
     [data * ranks, R], stats: scalars, or [data] arrays (one per group)).
     """
-    num_experts = experts.w_gate.shape[0]
+    num_experts = experts.num_experts
     mesh, fn, spec = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill,
                                       impl, transport, jnp.dtype(compute_dtype), backend, data)
     tokens = NamedSharding(mesh, spec)
@@ -127,8 +128,9 @@ def _dense_runner(num_experts, impl, compute_dtype):
     """The reference runs on CPU whatever the host has."""
     ctx = DispatchContext(None, 1, "lax", impl, "cpu")
 
-    def run(x, ids, w, wg, wu, wd):
-        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
+    def run(x, ids, w, w_gate_up, w_down):
+        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(w_gate_up, w_down),
+                                                    compute_dtype),
                                strategy="dense", ctx=ctx, experts_per_rank=num_experts,
                                return_delivered=True)
         return res.out, res.delivered.rows, res.delivered.group_sizes
@@ -139,7 +141,7 @@ def _dense_runner(num_experts, impl, compute_dtype):
 def run_dense(x, ids, w, experts: mj.ExpertWeights, *, impl="reference",
               compute_dtype=jnp.float32):
     """The reference: (out [T, H], rows [T*k, H] expert-major, group sizes [E])."""
-    fn = _dense_runner(experts.w_gate.shape[0], impl, jnp.dtype(compute_dtype))
+    fn = _dense_runner(experts.num_experts, impl, jnp.dtype(compute_dtype))
     cpu = jax.devices("cpu")[0]
     out, rows, sizes = fn(*jax.device_put((x, ids, w, *experts), cpu))
     return np.asarray(out), np.asarray(rows), np.asarray(sizes)

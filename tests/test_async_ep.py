@@ -317,11 +317,12 @@ def _reference_generate(params, config, prompt, max_new):
             w = np.take_along_axis(probs, top, -1)
             w /= w.sum(-1, keepdims=True)
             ew = p["experts"]
+            w_gate, w_up = (np.asarray(a) for a in ew.gate_up())
             out = np.zeros_like(h)
             for j in range(config.top_k):
                 e = top[:, j]
-                g = np.einsum("nh,nhf->nf", u, ew.w_gate[e])
-                up = np.einsum("nh,nhf->nf", u, ew.w_up[e])
+                g = np.einsum("nh,nhf->nf", u, w_gate[e])
+                up = np.einsum("nh,nhf->nf", u, w_up[e])
                 out += w[:, j:j + 1] * np.einsum("nf,nfh->nh", silu(g) * up, ew.w_down[e])
             x = h + out
         logits = norm(x[-1], params["final_norm"]) @ params["lm_head"]

@@ -42,7 +42,7 @@ def test_restore_onto_another_ep_size(saved, prompts, ep):
     directory, params, expected = saved
     mesh = mesh_of(ep)
     restored = restore_params(directory, CFG, mesh)
-    w = restored["layers_0"]["moe"]["w_gate"]
+    w = restored["layers_0"]["moe"]["w_gate_up"]
     assert w.sharding.mesh.shape["ep"] == ep and w.sharding.spec == P("ep")
     assert len(w.addressable_shards) == ep
     assert w.addressable_shards[0].data.shape[0] == CFG.moe.num_experts // ep
@@ -88,3 +88,22 @@ def test_restore_rejects_mismatched_config(saved, tmp_path):
         restore_params(directory, CFG.replace(num_experts=4), mesh_of(2))
     with pytest.raises(ValueError, match="directory"):
         restore_params(tmp_path / "missing", CFG)
+
+
+def test_restore_checkpoint_with_separate_gate_and_up(tmp_path):
+    """A checkpoint written before gate and up were fused ([E, D, F] w_gate
+    and w_up) restores into the fused w_gate_up, resharded."""
+    from moe_jax.ops.grouped_matmul import split_gate_up
+
+    params = init_params(jax.random.key(3), CFG)
+    legacy = jax.tree.map(lambda a: a, params)
+    for name in ("layers_0", "layers_1"):
+        moe = dict(legacy[name]["moe"])
+        moe["w_gate"], moe["w_up"] = split_gate_up(moe.pop("w_gate_up"))
+        legacy[name] = dict(legacy[name], moe=moe)
+    directory = save_params(tmp_path / "legacy", legacy, CFG, mesh=mesh_of(4))
+    restored = restore_params(directory, CFG, mesh_of(2))
+    fused = restored["layers_1"]["moe"]["w_gate_up"]
+    assert fused.sharding.spec == P("ep") and fused.sharding.mesh.shape["ep"] == 2
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored, params)

@@ -91,7 +91,7 @@ def test_linen_module_matches_function(data):
         variables, x)
     p = variables["params"]
     params = mj.layer.MoEParams(p["router"], None, mj.ExpertWeights(
-        p["w_gate"].unbox(), p["w_up"].unbox(), p["w_down"].unbox()))
+        p["w_gate_up"].unbox(), p["w_down"].unbox()))
     expected, _ = jax.jit(lambda p, x: moe_layer(p, x, config, mesh))(params, x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
     assert int(state["moe_stats"]["calls"]) == 1

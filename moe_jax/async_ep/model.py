@@ -251,9 +251,10 @@ def attention_fn(p, x, pos, slot, k_cache, v_cache, *, heads: int, top_k: int,
     return h, u, expert_ids, weights, k_cache, v_cache
 
 
-def expert_fn(w_gate, w_up, w_down, u, matmul: str = "xla"):
-    """SwiGLU of one expert: u float32 [N, H] -> [N, H] (float32 matmuls)."""
-    weights = ExpertWeights(w_gate[None], w_up[None], w_down[None])
+def expert_fn(w_gate_up, w_down, u, matmul: str = "xla"):
+    """SwiGLU of one expert: u float32 [N, H] -> [N, H] (float32 matmuls);
+    w_gate_up [H, 2F] fused as in ExpertWeights, w_down [F, H]."""
+    weights = ExpertWeights(w_gate_up[None], w_down[None])
     sizes = jnp.full((1,), u.shape[0], jnp.int32)
     return swiglu_grouped(u, sizes, weights, jnp.float32, matmul=matmul)
 
@@ -331,7 +332,7 @@ class LayerKernels:
 
     def params_on(self, device):
         """Weights committed to `device`: attention params per block, expert
-        (w_gate, w_up, w_down) per (block, expert), final_norm, lm_head."""
+        (w_gate_up, w_down) per (block, expert), final_norm, lm_head."""
         if device not in self._on_device:
             put = lambda a: jax.device_put(np.asarray(a), device)  # noqa: E731
             blocks = self.params["blocks"]
@@ -387,9 +388,9 @@ class LayerKernels:
         """SwiGLU of expert `expert` of `block` on rows u [n,H] -> [n,H]."""
         t0 = time.perf_counter()
         n = u.shape[0]
-        w_gate, w_up, w_down = self.params_on(device)["experts"][block][expert]
+        w_gate_up, w_down = self.params_on(device)["experts"][block][expert]
         x = jax.device_put(self._pad(np.asarray(u, np.float32)), device)
-        out = np.asarray(self._run(self._expert, w_gate, w_up, w_down, x))[:n]
+        out = np.asarray(self._run(self._expert, w_gate_up, w_down, x))[:n]
         self.last_call_s = time.perf_counter() - t0
         return out
 

@@ -16,8 +16,8 @@ head dim, ``E`` experts, ``F`` expert width)::
 
     embed [V, D]
     layers_{i}: attn_norm [D], wq/wk/wv [D, N, K], wo [N, K, D], mlp_norm [D],
-                moe: router [D, E], (router_bias [E]), w_gate/w_up [E, D, F],
-                     w_down [E, F, D]
+                moe: router [D, E], (router_bias [E]), w_gate_up [E, D, 2F]
+                     (gate and up fused, see ExpertWeights), w_down [E, F, D]
     final_norm [D]
     lm_head [D, V]            (only when tie_embeddings is False)
 
@@ -46,6 +46,7 @@ from moe_jax.layer import MoEParams, moe_layer
 from moe_jax.nn import linen as moe_linen
 from moe_jax.nn import nnx as moe_nnx
 from moe_jax.nn.init import expert_init, router_init
+from moe_jax.ops.grouped_matmul import fuse_gate_up
 from moe_jax.routing import route, router_logits
 
 __all__ = [
@@ -55,7 +56,9 @@ __all__ = [
 ]
 
 #: Parameter names of the expert weights (sharded over the expert axis).
-EXPERT_PARAM_NAMES = ("w_gate", "w_up", "w_down")
+EXPERT_PARAM_NAMES = ("w_gate_up", "w_down")
+# Expert weights of checkpoints written before gate and up were fused.
+LEGACY_EXPERT_PARAM_NAMES = ("w_gate", "w_up")
 _ATTN_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
 _MASK_VALUE = -1e9  # finite, so fully masked rows (pad queries) stay NaN-free
 
@@ -320,8 +323,8 @@ def init_params(key: jax.Array, cfg: DecoderConfig) -> dict:
         moe = {"router": router_init(ek[0], (d, e), dt)}
         if moe_cfg.router == "sigmoid_grouped":
             moe["router_bias"] = jnp.zeros((e,), dt)
-        moe["w_gate"] = expert_init(ek[1], (e, d, f), dt)
-        moe["w_up"] = expert_init(ek[2], (e, d, f), dt)
+        moe["w_gate_up"] = fuse_gate_up(expert_init(ek[1], (e, d, f), dt),
+                                        expert_init(ek[2], (e, d, f), dt))
         moe["w_down"] = expert_init(ek[3], (e, f, d), dt)
         layer["moe"] = moe
         params[f"layers_{i}"] = layer
@@ -363,7 +366,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
         m = p["moe"]
         moe_params = MoEParams(m["router"], m.get("router_bias"),
-                               ExpertWeights(m["w_gate"], m["w_up"], m["w_down"]))
+                               ExpertWeights(m["w_gate_up"], m["w_down"]))
         y, aux = moe_layer(moe_params, h.astype(cfg.dtype), moe_cfg, mesh)
         if record:
             records.append(_routing_record(h, m["router"], m.get("router_bias"), moe_cfg))

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moe_jax.models.decoder import EXPERT_PARAM_NAMES
+from moe_jax.models.decoder import EXPERT_PARAM_NAMES, LEGACY_EXPERT_PARAM_NAMES
 
 
 def _key_name(entry) -> str | None:
@@ -28,8 +28,10 @@ def _key_name(entry) -> str | None:
 
 
 def is_expert_path(path) -> bool:
-    """True for the stacked expert weights (w_gate, w_up, w_down)."""
-    return any(_key_name(e) in EXPERT_PARAM_NAMES for e in path)
+    """True for the stacked expert weights (w_gate_up, w_down; w_gate and
+    w_up in checkpoints written before they were fused)."""
+    names = EXPERT_PARAM_NAMES + LEGACY_EXPERT_PARAM_NAMES
+    return any(_key_name(e) in names for e in path)
 
 
 def expert_parallel(mesh: jax.sharding.Mesh | None, axis: str, num_experts: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 router_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal")
 # Stacked [E, in, out] expert matrices: fan-in over axis 1, experts batched.
@@ -13,3 +14,13 @@ expert_init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_a
 def expert_axis_or_none(config):
     """The mesh axis expert weights are sharded over (None for "dense")."""
     return None if config.strategy == "dense" else config.expert_axis
+
+
+def gate_up_init(key, shape, dtype=jnp.float32):
+    """The fused [E, H, 2F] gate/up weight (see ExpertWeights): gate and up
+    drawn as two fan-in-scaled [E, H, F] matrices, then interleaved."""
+    from moe_jax.ops.grouped_matmul import fuse_gate_up
+    experts, hidden, two_f = shape
+    k_gate, k_up = jax.random.split(key)
+    half = (experts, hidden, two_f // 2)
+    return fuse_gate_up(expert_init(k_gate, half, dtype), expert_init(k_up, half, dtype))

@@ -10,7 +10,7 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import DispatchStats
 from moe_jax.experts import ExpertWeights
 from moe_jax.layer import MoEParams, moe_layer
-from moe_jax.nn.init import expert_axis_or_none, expert_init, router_init
+from moe_jax.nn.init import expert_axis_or_none, expert_init, gate_up_init, router_init
 
 
 class MoE(nn.Module):
@@ -21,8 +21,8 @@ class MoE(nn.Module):
       mesh: mesh holding config.expert_axis (not needed for "dense").
 
     Call: x [..., H] -> [..., H] in config.dtype. Parameters: "router" [H, E],
-    "w_gate"/"w_up" [E, H, F], "w_down" [E, F, H] (partitioned over the
-    expert axis), "router_bias" [E] for the sigmoid router. Sows the weighted
+    "w_gate_up" [E, H, 2F] (gate and up fused, see ExpertWeights), "w_down"
+    [E, F, H] (partitioned over the expert axis), "router_bias" [E] for the sigmoid router. Sows the weighted
     auxiliary loss into the "losses" collection as "moe_aux_loss", and when
     the "moe_stats" collection is mutable accumulates DispatchStats
     ("dispatch") and the number of calls ("calls").
@@ -42,8 +42,8 @@ class MoE(nn.Module):
         if cfg.router == "sigmoid_grouped":
             bias = self.param("router_bias", nn.initializers.zeros, (experts,), cfg.param_dtype)
         weights = ExpertWeights(
-            self.param("w_gate", part(expert_init), (experts, hidden, ffn), cfg.param_dtype),
-            self.param("w_up", part(expert_init), (experts, hidden, ffn), cfg.param_dtype),
+            self.param("w_gate_up", part(gate_up_init), (experts, hidden, 2 * ffn),
+                       cfg.param_dtype),
             self.param("w_down", part(expert_init), (experts, ffn, hidden), cfg.param_dtype))
         y, aux = moe_layer(MoEParams(router, bias, weights), x, cfg, self.mesh)
         self.sow("losses", "moe_aux_loss", aux.weighted_loss(cfg))

@@ -10,7 +10,7 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import DispatchStats
 from moe_jax.experts import ExpertWeights
 from moe_jax.layer import MoEParams, moe_layer
-from moe_jax.nn.init import expert_axis_or_none, expert_init, router_init
+from moe_jax.nn.init import expert_axis_or_none, expert_init, gate_up_init, router_init
 
 
 class MoEStats(nnx.Variable):
@@ -46,8 +46,8 @@ class MoE(nnx.Module):
                             if config.router == "sigmoid_grouped" else None)
         sharding = {} if mesh is None else dict(out_sharding=(axis, None, None), mesh=mesh)
         sharded = lambda shape: nnx.Param(expert_init(rngs.params(), shape, dtype), **sharding)
-        self.w_gate = sharded((experts, hidden, ffn))
-        self.w_up = sharded((experts, hidden, ffn))
+        self.w_gate_up = nnx.Param(gate_up_init(rngs.params(), (experts, hidden, 2 * ffn), dtype),
+                                   **sharding)
         self.w_down = sharded((experts, ffn, hidden))
         self.stats = MoEStats(DispatchStats.zeros())
         self.calls = MoEStats(jnp.zeros((), jnp.int32))
@@ -56,7 +56,7 @@ class MoE(nnx.Module):
     def params(self) -> MoEParams:
         bias = None if self.router_bias is None else self.router_bias[...]
         return MoEParams(self.router[...], bias,
-                         ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...]))
+                         ExpertWeights(self.w_gate_up[...], self.w_down[...]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y, aux = moe_layer(self.params(), x, self.config, self.mesh)

@@ -1,0 +1,404 @@
+"""The experts at grouped-GEMM speed: the SwiGLU expert FFN and the whole MoE
+layer on one GPU, against every baseline the machine has, in one run.
+
+    python -m benchmarks.expert_ffn_bench --out=OUT_DIR [--rows=32,512,2048,8192]
+        [--layer_tokens=256,1024,4096] [--train_tokens=4096]
+
+Part 1, the expert FFN (rows sorted by expert, group sizes drawn with an
+exponential skew, shares ~ exp(-skew * e / E)): moe_jax's CUTLASS grouped
+GEMMs (`swiglu_grouped(..., matmul="cutlass")`: gate/up with the fused
+SwiGLU epilogue, then down) against `lax.ragged_dot` (matmul="xla"), jax's
+Pallas Mosaic GPU `ragged_dot_mgpu` (best of a few block configurations),
+and `torch._grouped_mm` when PyTorch is installed; next to the dense bf16
+matmul rate and the device-to-device copy bandwidth measured in the same
+run (the FLOP and weight-streaming floors).
+
+Part 2, the whole `moe_layer` (strategy "dense": one GPU, router, dispatch,
+experts, combine) with matmul="auto" (the CUTLASS kernels) and "xla", and a
+padded batched einsum at the realized largest expert load, against the bf16
+FLOP floor. Part 3: one training step (forward + backward) of the layer.
+
+Times are medians over --reps runs of --iters back-to-back calls of the
+jitted function (CUDA events for PyTorch). Writes
+OUT_DIR/<tag>.json and .md with the device, versions, date, command, commit
+and the digests of the sources and the built extensions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks.provenance import commit, extension_digest, source_digest
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("rows", ["32", "512", "2048", "8192"], "Expert FFN row counts M.")
+flags.DEFINE_list("layer_tokens", ["256", "1024", "4096"], "Whole-layer token counts.")
+flags.DEFINE_integer("train_tokens", 4096, "Tokens of the training-step case (0: skip).")
+flags.DEFINE_integer("hidden", 4096, "Model width H.")
+flags.DEFINE_integer("ffn", 14336, "Expert width F.")
+flags.DEFINE_integer("experts", 8, "Experts E.")
+flags.DEFINE_integer("top_k", 2, "Experts per token (layer cases).")
+flags.DEFINE_float("skew", 1.0, "Exponential skew of the FFN cases' group sizes.")
+flags.DEFINE_list("methods", ["cutlass", "xla", "pallas", "torch"], "FFN methods to time.")
+flags.DEFINE_integer("iters", 10, "Calls per timed run.")
+flags.DEFINE_integer("reps", 7, "Timed runs per case (the median is reported).")
+flags.DEFINE_string("out", None, "Folder for the JSON and markdown (required).")
+flags.DEFINE_string("tag", "", "File stem (default expert_ffn_<device>).")
+flags.mark_flag_as_required("out")
+
+
+def _time_jax(fn, *args) -> float:
+    """Median seconds per call of the jitted fn (compiled and warmed first)."""
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(FLAGS.reps):
+        start = time.perf_counter()
+        for _ in range(FLAGS.iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - start) / FLAGS.iters)
+    return statistics.median(runs)
+
+
+def _time_torch(fn) -> float:
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(FLAGS.reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(FLAGS.iters):
+            fn()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / 1e3 / FLAGS.iters)
+    return statistics.median(runs)
+
+
+def _floors() -> dict:
+    """The dense bf16 matmul rate and the copy bandwidth of this GPU."""
+    key = jax.random.key(7)
+    m, k, n = 8192, FLAGS.hidden, FLAGS.ffn
+    a = jax.random.normal(key, (m, k), jnp.bfloat16)
+    b = jax.random.normal(key, (k, n), jnp.bfloat16)
+    dense = _time_jax(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16)),
+                      a, b)
+    big = jax.random.normal(key, (512, 1024, 1024), jnp.bfloat16)  # 1 GiB
+    copy = _time_jax(jax.jit(lambda x: x + jnp.bfloat16(1)), big)
+    return dict(dense_tflops=2 * m * k * n / dense / 1e12,
+                copy_gbps=2 * big.size * 2 / copy / 1e9)
+
+
+def _group_sizes(rng, rows: int) -> np.ndarray:
+    share = np.exp(-FLAGS.skew * np.arange(FLAGS.experts) / FLAGS.experts)
+    picks = rng.choice(FLAGS.experts, size=rows, p=share / share.sum())
+    return np.bincount(picks, minlength=FLAGS.experts).astype(np.int32)
+
+
+def _pallas_ragged_dot():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    configs = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+               dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+               dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=6, grid_block_n=2)]
+    return ragged_dot_mgpu.ragged_dot, configs
+
+
+def _ffn_jax(method, w_gate_up, w_down, config=None):
+    import moe_jax as mj
+    from moe_jax.ops.grouped_matmul import split_gate_up
+
+    if method in ("cutlass", "xla"):
+        weights = mj.ExpertWeights(w_gate_up, w_down)
+        return jax.jit(lambda x, gs: mj.swiglu_grouped(x, gs, weights, jnp.bfloat16,
+                                                       matmul=method))
+    ragged_dot, _ = _pallas_ragged_dot()
+    dot = functools.partial(ragged_dot, **config)
+
+    def ffn(x, gs):
+        gate, up = split_gate_up(dot(x, w_gate_up, group_sizes=gs))
+        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        return dot(h, w_down, group_sizes=gs)
+    return jax.jit(ffn)
+
+
+def _ffn_torch(x, w_gate_up, w_down, sizes):
+    """torch._grouped_mm SwiGLU on the same data (weights as [G, N, K]
+    transposed views, the layout its kernels take); None without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from moe_jax.ops.grouped_matmul import split_gate_up
+
+    to_torch = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(  # noqa: E731
+        "cuda", torch.bfloat16)
+    gate, up = split_gate_up(w_gate_up)
+    w_gu = to_torch(jnp.concatenate([gate, up], axis=2)).transpose(1, 2).contiguous()
+    w_d = to_torch(w_down).transpose(1, 2).contiguous()
+    tx = to_torch(x)
+    offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
+    ffn = w_d.shape[2]
+
+    def run():
+        h = torch._grouped_mm(tx, w_gu.transpose(1, 2), offs=offs)
+        h = torch.nn.functional.silu(h[:, :ffn]) * h[:, ffn:]
+        return torch._grouped_mm(h, w_d.transpose(1, 2), offs=offs)
+    return run, lambda: run().float().cpu().numpy()
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def bench_ffn(floors: dict) -> list[dict]:
+    import moe_jax as mj
+
+    rng = np.random.default_rng(0)
+    weights = mj.init_expert_weights(jax.random.key(1), FLAGS.experts, FLAGS.hidden, FLAGS.ffn,
+                                     jnp.bfloat16)
+    h, f = FLAGS.hidden, FLAGS.ffn
+    rows_out = []
+    for rows in (int(r) for r in FLAGS.rows):
+        sizes = _group_sizes(rng, rows)
+        x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+        gs = jnp.asarray(sizes)
+        row = dict(rows=rows, group_sizes=sizes.tolist(), flops=6 * rows * h * f,
+                   weight_bytes=int((sizes > 0).sum()) * 3 * h * f * 2)
+        reference = None
+        for method in FLAGS.methods:
+            try:
+                if method == "torch":
+                    got = _ffn_torch(x, *weights, sizes)
+                    if got is None:
+                        row["torch_error"] = "PyTorch not installed"
+                        continue
+                    run, result = got
+                    seconds, out = _time_torch(run), result()
+                elif method == "pallas":
+                    _, configs = _pallas_ragged_dot()
+                    best = None
+                    for config in configs:
+                        try:
+                            fn = _ffn_jax("pallas", *weights, config)
+                            t = _time_jax(fn, x, gs)
+                        except Exception as err:  # noqa: BLE001 (a config may not fit)
+                            row.setdefault("pallas_skipped", []).append(f"{config}: {err}"[:200])
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, config, fn)
+                    if best is None:
+                        row["pallas_error"] = "no configuration ran"
+                        continue
+                    seconds, row["pallas_config"] = best[0], best[1]
+                    out = best[2](x, gs)
+                else:
+                    fn = _ffn_jax(method, *weights)
+                    seconds, out = _time_jax(fn, x, gs), fn(x, gs)
+            except Exception as err:  # noqa: BLE001 (record why a baseline could not run)
+                row[f"{method}_error"] = f"{type(err).__name__}: {err}"[:300]
+                continue
+            row[f"{method}_us"] = seconds * 1e6
+            row[f"{method}_tflops"] = row["flops"] / seconds / 1e12
+            out = np.asarray(out, np.float32)
+            if reference is None:
+                reference = out
+            row[f"{method}_rel_diff"] = _rel(out, reference)
+        if "cutlass_us" in row:
+            row["cutlass_of_dense_rate"] = row["cutlass_tflops"] / floors["dense_tflops"]
+            row["cutlass_weight_gbps"] = row["weight_bytes"] / row["cutlass_us"] / 1e3
+            row["cutlass_of_copy_bw"] = row["cutlass_weight_gbps"] / floors["copy_gbps"]
+        rows_out.append(row)
+        print("FFN", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                      if k.endswith(("_us", "_tflops", "_of_dense_rate", "_of_copy_bw",
+                                     "_error"))}, flush=True)
+    return rows_out
+
+
+def _padded_einsum_layer(params, config, capacity: int):
+    """Router, top-k, tokens scattered into [E, capacity, H] buffers, one
+    batched SwiGLU einsum per projection, weighted combine."""
+    from moe_jax.ops.grouped_matmul import split_gate_up
+    from moe_jax.routing import route, router_logits
+
+    gate_w, up_w = split_gate_up(params.experts.w_gate_up)
+    down_w = params.experts.w_down
+
+    def layer(x):
+        routing = route(router_logits(x, params.router, config), config, None)
+        ids = routing.expert_ids.reshape(-1)
+        onehot = jax.nn.one_hot(ids, config.num_experts, dtype=jnp.int32)
+        pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+        tok = jnp.repeat(jnp.arange(x.shape[0]), config.top_k)
+        buf = jnp.zeros((config.num_experts, capacity, x.shape[1]), x.dtype)
+        buf = buf.at[ids, pos].set(x[tok], mode="drop")
+        g = jnp.einsum("ech,ehf->ecf", buf, gate_w, preferred_element_type=jnp.float32)
+        u = jnp.einsum("ech,ehf->ecf", buf, up_w, preferred_element_type=jnp.float32)
+        hid = (jax.nn.silu(g) * u).astype(x.dtype)
+        y = jnp.einsum("ecf,efh->ech", hid, down_w, preferred_element_type=jnp.float32)
+        rows = y[ids, jnp.minimum(pos, capacity - 1)] * routing.weights.reshape(-1, 1)
+        return jnp.sum(rows.reshape(x.shape[0], config.top_k, -1), axis=1).astype(x.dtype)
+    return jax.jit(layer)
+
+
+def bench_layer(floors: dict) -> list[dict]:
+    import moe_jax as mj
+    from moe_jax.routing import route, router_logits
+
+    base = mj.MoEConfig(hidden_size=FLAGS.hidden, ffn_size=FLAGS.ffn, num_experts=FLAGS.experts,
+                        top_k=FLAGS.top_k, strategy="dense", dtype=jnp.bfloat16,
+                        param_dtype=jnp.bfloat16)
+    params = mj.init_moe_params(jax.random.key(2), base)
+    rng = np.random.default_rng(3)
+    out = []
+    for tokens in (int(t) for t in FLAGS.layer_tokens):
+        x = jnp.asarray(rng.standard_normal((tokens, FLAGS.hidden)), jnp.bfloat16)
+        routing = jax.jit(lambda x: route(router_logits(x, params.router, base), base, None))(x)
+        loads = np.bincount(np.asarray(routing.expert_ids).reshape(-1),
+                            minlength=FLAGS.experts)
+        flops = 6 * tokens * FLAGS.top_k * FLAGS.hidden * FLAGS.ffn
+        row = dict(tokens=tokens, max_expert_rows=int(loads.max()), flops=flops,
+                   flop_floor_us=flops / (floors["dense_tflops"] * 1e12) * 1e6)
+        results = {}
+        for matmul in ("auto", "xla"):
+            cfg = base.replace(matmul=matmul)
+            fn = jax.jit(lambda p, x, cfg=cfg: mj.moe_layer(p, x, cfg)[0])
+            row[f"layer_{matmul}_us"] = _time_jax(fn, params, x) * 1e6
+            results[matmul] = np.asarray(fn(params, x), np.float32)
+        padded = _padded_einsum_layer(params, base, int(loads.max()))
+        row["padded_einsum_us"] = _time_jax(padded, x) * 1e6
+        row["auto_vs_xla_rel_diff"] = _rel(results["auto"], results["xla"])
+        row["padded_vs_xla_rel_diff"] = _rel(np.asarray(padded(x), np.float32), results["xla"])
+        row["auto_over_floor"] = row["layer_auto_us"] / row["flop_floor_us"]
+        out.append(row)
+        print("layer", row, flush=True)
+    return out
+
+
+def bench_train(floors: dict) -> dict | None:
+    import moe_jax as mj
+
+    if FLAGS.train_tokens <= 0:
+        return None
+    cfg = mj.MoEConfig(hidden_size=FLAGS.hidden, ffn_size=FLAGS.ffn, num_experts=FLAGS.experts,
+                       top_k=FLAGS.top_k, strategy="dense", dtype=jnp.bfloat16,
+                       param_dtype=jnp.bfloat16)
+    params = mj.init_moe_params(jax.random.key(4), cfg)
+    x = jax.random.normal(jax.random.key(5), (FLAGS.train_tokens, FLAGS.hidden), jnp.bfloat16)
+
+    def loss(p, x):
+        y, aux = mj.moe_layer(p, x, cfg)
+        return jnp.mean(jnp.square(y.astype(jnp.float32))) + aux.weighted_loss(cfg)
+
+    row = dict(tokens=FLAGS.train_tokens)
+    try:
+        forward = jax.jit(loss)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        row["forward_us"] = _time_jax(forward, params, x) * 1e6
+        row["forward_backward_us"] = _time_jax(step, params, x) * 1e6
+    except Exception as err:  # noqa: BLE001 (recorded in the report)
+        row["error"] = f"{type(err).__name__}: {err}"[:400]
+        return row
+    flops = 6 * FLAGS.train_tokens * FLAGS.top_k * FLAGS.hidden * FLAGS.ffn
+    row["forward_backward_flop_floor_us"] = 3 * flops / (floors["dense_tflops"] * 1e12) * 1e6
+    print("train", row, flush=True)
+    return row
+
+
+def _versions() -> dict:
+    v = dict(jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__")
+             else jax.__version__, python=platform.python_version())
+    try:
+        import torch
+        v["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
+             train: dict | None) -> str:
+    us = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
+    tf = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
+    lines = [f"# Expert FFN and MoE layer, {meta['device']}", "",
+             f"- date: {meta['date']}; commit {meta['commit']}",
+             f"- command: `{meta['command']}`",
+             f"- versions: {meta['versions']}; sources {meta['source_digest']}; "
+             f"extensions {meta['extension_digest']}",
+             f"- shape: hidden {FLAGS.hidden}, ffn {FLAGS.ffn}, {FLAGS.experts} experts, bf16; "
+             f"median of {FLAGS.reps} runs of {FLAGS.iters} calls",
+             f"- measured floors: dense bf16 matmul {floors['dense_tflops']:.0f} TFLOP/s, "
+             f"device copy {floors['copy_gbps']:.0f} GB/s (read + write)", "",
+             "## SwiGLU expert FFN (gate/up, silu * up, down), microseconds (TFLOP/s)", "",
+             f"Group sizes skewed: shares ~ exp(-{FLAGS.skew} e / E).", "",
+             "| rows | group sizes | moe_jax CUTLASS | lax.ragged_dot | Pallas ragged_dot_mgpu "
+             "| torch._grouped_mm | CUTLASS / dense rate | weights streamed (GB/s, of copy bw) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in ffn:
+        cell = lambda m: (f"{r[m + '_us']:.0f} ({r[m + '_tflops']:.0f})"  # noqa: E731
+                          if m + "_us" in r else "—")
+        stream = (f"{r['cutlass_weight_gbps']:.0f} ({r['cutlass_of_copy_bw']:.0%})"
+                  if "cutlass_weight_gbps" in r else "—")
+        rate = f"{r['cutlass_of_dense_rate']:.0%}" if "cutlass_of_dense_rate" in r else "—"
+        lines.append(f"| {r['rows']} | {r['group_sizes']} | {cell('cutlass')} | {cell('xla')} | "
+                     f"{cell('pallas')} | {cell('torch')} | {rate} | {stream} |")
+    lines += ["", "## Whole moe_layer on one GPU (strategy dense), microseconds", "",
+              "| tokens | matmul=auto (CUTLASS) | matmul=xla | padded einsum at the largest "
+              "expert load | bf16 FLOP floor | auto / floor |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in layer:
+        lines.append(f"| {r['tokens']} | {us(r, 'layer_auto_us')} | {us(r, 'layer_xla_us')} | "
+                     f"{us(r, 'padded_einsum_us')} ({r['max_expert_rows']} rows) | "
+                     f"{r['flop_floor_us']:.0f} | {r['auto_over_floor']:.2f}x |")
+    if train:
+        lines += ["", "## Training step of the layer (loss, value_and_grad), microseconds", ""]
+        if "error" in train:
+            lines.append(f"{train['tokens']} tokens: could not run ({train['error']})")
+        else:
+            lines += ["| tokens | forward | forward + backward | 3x FLOP floor |",
+                      "| --- | --- | --- | --- |",
+                      f"| {train['tokens']} | {train['forward_us']:.0f} | "
+                      f"{train['forward_backward_us']:.0f} | "
+                      f"{train['forward_backward_flop_floor_us']:.0f} |"]
+    del tf
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    device = jax.devices()[0]
+    meta = dict(device=device.device_kind, platform=device.platform,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python -m benchmarks.expert_ffn_bench " + " ".join(sys.argv[1:]),
+                versions=_versions(), commit=commit(), source_digest=source_digest(),
+                extension_digest=extension_digest())
+    floors = _floors()
+    print("floors", floors, flush=True)
+    ffn = bench_ffn(floors)
+    layer = bench_layer(floors)
+    train = bench_train(floors)
+    tag = FLAGS.tag or "expert_ffn_" + device.device_kind.replace(" ", "_")
+    os.makedirs(FLAGS.out, exist_ok=True)
+    with open(os.path.join(FLAGS.out, tag + ".json"), "w") as f:
+        json.dump(dict(meta=meta, floors=floors, ffn=ffn, layer=layer, train=train), f, indent=1)
+    with open(os.path.join(FLAGS.out, tag + ".md"), "w") as f:
+        f.write(markdown(meta, floors, ffn, layer, train))
+    print(f"wrote {FLAGS.out}/{tag}.json and .md")
+
+
+if __name__ == "__main__":
+    app.run(main)

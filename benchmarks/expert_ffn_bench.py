@@ -26,11 +26,17 @@ and the digests of the sources and the built extensions.
 
 from __future__ import annotations
 
+import os
+
+# Baselines run in child processes and PyTorch shares the GPU: no JAX
+# preallocation of most of its memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import datetime
 import functools
 import json
-import os
 import platform
+import subprocess
 import statistics
 import sys
 import time
@@ -46,6 +52,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["32", "512", "2048", "8192"], "Expert FFN row counts M.")
 flags.DEFINE_list("layer_tokens", ["256", "1024", "4096"], "Whole-layer token counts.")
 flags.DEFINE_integer("train_tokens", 4096, "Tokens of the training-step case (0: skip).")
+flags.DEFINE_enum("train_kernel_impl", "custom_call", ["custom_call", "reference"],
+                  "MoEConfig.kernel_impl of the training-step case (pack / combine).")
 flags.DEFINE_integer("hidden", 4096, "Model width H.")
 flags.DEFINE_integer("ffn", 14336, "Expert width F.")
 flags.DEFINE_integer("experts", 8, "Experts E.")
@@ -56,7 +64,7 @@ flags.DEFINE_integer("iters", 10, "Calls per timed run.")
 flags.DEFINE_integer("reps", 7, "Timed runs per case (the median is reported).")
 flags.DEFINE_string("out", None, "Folder for the JSON and markdown (required).")
 flags.DEFINE_string("tag", "", "File stem (default expert_ffn_<device>).")
-flags.mark_flag_as_required("out")
+flags.DEFINE_bool("pallas_child", False, "Internal: time the Pallas baseline and print JSON.")
 
 
 def _time_jax(fn, *args) -> float:
@@ -108,16 +116,16 @@ def _group_sizes(rng, rows: int) -> np.ndarray:
     return np.bincount(picks, minlength=FLAGS.experts).astype(np.int32)
 
 
+PALLAS_CONFIG = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                     grid_block_n=1)
+
+
 def _pallas_ragged_dot():
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    configs = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
-               dict(block_m=128, block_n=256, block_k=64, max_concurrent_steps=4, grid_block_n=1),
-               dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=6, grid_block_n=2)]
-    return ragged_dot_mgpu.ragged_dot, configs
+    return functools.partial(ragged_dot_mgpu.ragged_dot, **PALLAS_CONFIG)
 
 
-def _ffn_jax(method, w_gate_up, w_down, config=None):
+def _ffn_jax(method, w_gate_up, w_down):
     import moe_jax as mj
     from moe_jax.ops.grouped_matmul import split_gate_up
 
@@ -125,8 +133,7 @@ def _ffn_jax(method, w_gate_up, w_down, config=None):
         weights = mj.ExpertWeights(w_gate_up, w_down)
         return jax.jit(lambda x, gs: mj.swiglu_grouped(x, gs, weights, jnp.bfloat16,
                                                        matmul=method))
-    ragged_dot, _ = _pallas_ragged_dot()
-    dot = functools.partial(ragged_dot, **config)
+    dot = _pallas_ragged_dot()
 
     def ffn(x, gs):
         gate, up = split_gate_up(dot(x, w_gate_up, group_sizes=gs))
@@ -166,16 +173,11 @@ def _rel(a, b) -> float:
 
 
 def bench_ffn(floors: dict) -> list[dict]:
-    import moe_jax as mj
-
-    rng = np.random.default_rng(0)
-    weights = mj.init_expert_weights(jax.random.key(1), FLAGS.experts, FLAGS.hidden, FLAGS.ffn,
-                                     jnp.bfloat16)
     h, f = FLAGS.hidden, FLAGS.ffn
+    pallas = _pallas_in_child() if "pallas" in FLAGS.methods else {}
     rows_out = []
     for rows in (int(r) for r in FLAGS.rows):
-        sizes = _group_sizes(rng, rows)
-        x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+        sizes, x, weights = _ffn_inputs(rows)
         gs = jnp.asarray(sizes)
         row = dict(rows=rows, group_sizes=sizes.tolist(), flops=6 * rows * h * f,
                    weight_bytes=int((sizes > 0).sum()) * 3 * h * f * 2)
@@ -190,22 +192,13 @@ def bench_ffn(floors: dict) -> list[dict]:
                     run, result = got
                     seconds, out = _time_torch(run), result()
                 elif method == "pallas":
-                    _, configs = _pallas_ragged_dot()
-                    best = None
-                    for config in configs:
-                        try:
-                            fn = _ffn_jax("pallas", *weights, config)
-                            t = _time_jax(fn, x, gs)
-                        except Exception as err:  # noqa: BLE001 (a config may not fit)
-                            row.setdefault("pallas_skipped", []).append(f"{config}: {err}"[:200])
-                            continue
-                        if best is None or t < best[0]:
-                            best = (t, config, fn)
-                    if best is None:
-                        row["pallas_error"] = "no configuration ran"
+                    got = pallas.get(rows)
+                    if got is None or "error" in got:
+                        row["pallas_error"] = (got or {}).get("error", "not run")
                         continue
-                    seconds, row["pallas_config"] = best[0], best[1]
-                    out = best[2](x, gs)
+                    seconds, out = got["seconds"], None
+                    row["pallas_rel_diff_to_xla"] = got["rel_diff_to_xla"]
+                    row["pallas_config"] = PALLAS_CONFIG
                 else:
                     fn = _ffn_jax(method, *weights)
                     seconds, out = _time_jax(fn, x, gs), fn(x, gs)
@@ -214,6 +207,8 @@ def bench_ffn(floors: dict) -> list[dict]:
                 continue
             row[f"{method}_us"] = seconds * 1e6
             row[f"{method}_tflops"] = row["flops"] / seconds / 1e12
+            if out is None:
+                continue
             out = np.asarray(out, np.float32)
             if reference is None:
                 reference = out
@@ -227,6 +222,50 @@ def bench_ffn(floors: dict) -> list[dict]:
                       if k.endswith(("_us", "_tflops", "_of_dense_rate", "_of_copy_bw",
                                      "_error"))}, flush=True)
     return rows_out
+
+
+def _ffn_inputs(rows: int):
+    """The FFN case of `rows` rows: the same draws in the parent and the child."""
+    import moe_jax as mj
+
+    rng = np.random.default_rng(rows)
+    sizes = _group_sizes(rng, rows)
+    x = jnp.asarray(rng.standard_normal((rows, FLAGS.hidden)), jnp.bfloat16)
+    weights = mj.init_expert_weights(jax.random.key(1), FLAGS.experts, FLAGS.hidden,
+                                     FLAGS.ffn, jnp.bfloat16)
+    return sizes, x, weights
+
+
+def _pallas_child() -> None:
+    """Times the Pallas FFN at every --rows and prints one JSON line each."""
+    for rows in (int(r) for r in FLAGS.rows):
+        sizes, x, weights = _ffn_inputs(rows)
+        gs = jnp.asarray(sizes)
+        fn = _ffn_jax("pallas", *weights)
+        seconds = _time_jax(fn, x, gs)
+        ref = _ffn_jax("xla", *weights)(x, gs)
+        print("PALLAS " + json.dumps(dict(rows=rows, seconds=seconds,
+                                          rel_diff_to_xla=_rel(fn(x, gs), ref))), flush=True)
+
+
+def _pallas_in_child() -> dict:
+    """{rows: {"seconds", "rel_diff_to_xla"} or {"error"}}: the Pallas
+    baseline in a child process, so that a crash of its compiler (seen:
+    aborts in the Mosaic GPU lowering) costs only this column."""
+    argv = [sys.executable, "-m", "benchmarks.expert_ffn_bench", "--pallas_child",
+            "--out=unused"] + [a for a in sys.argv[1:] if not a.startswith("--out")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    got = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PALLAS "):
+            item = json.loads(line[len("PALLAS "):])
+            got[item["rows"]] = item
+    if proc.returncode != 0:
+        tail = [l for l in proc.stderr.splitlines() if l.strip()][-3:]
+        reason = f"child exited with {proc.returncode}: " + " | ".join(tail)
+        for rows in (int(r) for r in FLAGS.rows):
+            got.setdefault(rows, {"error": reason[:400]})
+    return got
 
 
 def _padded_einsum_layer(params, config, capacity: int):
@@ -296,7 +335,7 @@ def bench_train(floors: dict) -> dict | None:
         return None
     cfg = mj.MoEConfig(hidden_size=FLAGS.hidden, ffn_size=FLAGS.ffn, num_experts=FLAGS.experts,
                        top_k=FLAGS.top_k, strategy="dense", dtype=jnp.bfloat16,
-                       param_dtype=jnp.bfloat16)
+                       param_dtype=jnp.bfloat16, kernel_impl=FLAGS.train_kernel_impl)
     params = mj.init_moe_params(jax.random.key(4), cfg)
     x = jax.random.normal(jax.random.key(5), (FLAGS.train_tokens, FLAGS.hidden), jnp.bfloat16)
 
@@ -304,7 +343,7 @@ def bench_train(floors: dict) -> dict | None:
         y, aux = mj.moe_layer(p, x, cfg)
         return jnp.mean(jnp.square(y.astype(jnp.float32))) + aux.weighted_loss(cfg)
 
-    row = dict(tokens=FLAGS.train_tokens)
+    row = dict(tokens=FLAGS.train_tokens, kernel_impl=FLAGS.train_kernel_impl)
     try:
         forward = jax.jit(loss)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -369,7 +408,8 @@ def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
         if "error" in train:
             lines.append(f"{train['tokens']} tokens: could not run ({train['error']})")
         else:
-            lines += ["| tokens | forward | forward + backward | 3x FLOP floor |",
+            lines += [f"pack / combine: kernel_impl={train['kernel_impl']!r}", "",
+                      "| tokens | forward | forward + backward | 3x FLOP floor |",
                       "| --- | --- | --- | --- |",
                       f"| {train['tokens']} | {train['forward_us']:.0f} | "
                       f"{train['forward_backward_us']:.0f} | "
@@ -380,6 +420,11 @@ def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
 
 def main(argv):
     del argv
+    if FLAGS.pallas_child:
+        _pallas_child()
+        return
+    if not FLAGS.out:
+        raise app.UsageError("--out is required: the folder for the JSON and markdown")
     device = jax.devices()[0]
     meta = dict(device=device.device_kind, platform=device.platform,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -67,7 +67,7 @@ uint16_t ToF16(float f) {
   const uint32_t u = Bits(f);
   const uint32_t sign = (u >> 16) & 0x8000;
   const int exp = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
-  if (exp <= 0) return static_cast<uint16_t>(sign);
+  if (exp <= 0) return static_cast<uint16_t>(sign | 1);  // tiny: the smallest subnormal, not 0
   uint32_t mant = u & 0x7FFFFF;
   uint32_t h = sign | (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
   const uint32_t rest = mant & 0x1FFF;
@@ -78,7 +78,10 @@ float FromF16(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16;
   const int exp = (h >> 10) & 0x1F;
   const uint32_t mant = h & 0x3FF;
-  if (exp == 0) return FromBits(sign) + (mant ? std::ldexp(static_cast<float>(mant), -24) : 0.f);
+  if (exp == 0) {  // zero or subnormal
+    const float magnitude = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -magnitude : magnitude;
+  }
   return FromBits(sign | static_cast<uint32_t>(exp - 15 + 127) << 23 | mant << 13);
 }
 
@@ -325,7 +328,9 @@ void CheckAgainstReference(const Case& c, std::mt19937& rng) {
               Name(c).c_str(), (long long)r, (long long)j, got);
         continue;
       }
-      const double tol = oe.Eps() * std::fabs(ref[i]) + sum_eps * mag[i] * 2 + 1e-30;
+      // f16 outputs below 2^-14 are subnormal: their spacing is 2^-24.
+      const double floor = c.out == GemmElem::kF16 ? std::ldexp(1.0, -24) : 1e-30;
+      const double tol = oe.Eps() * std::fabs(ref[i]) + sum_eps * mag[i] * 2 + floor;
       CHECK(std::fabs(got - ref[i]) <= tol, "%s: out[%lld, %lld] = %.9g, reference %.9g (tol %g)",
             Name(c).c_str(), (long long)r, (long long)j, got, ref[i], tol);
     }

@@ -174,9 +174,9 @@ def _rel(a, b) -> float:
 
 def bench_ffn(floors: dict) -> list[dict]:
     h, f = FLAGS.hidden, FLAGS.ffn
-    pallas = _pallas_in_child() if "pallas" in FLAGS.methods else {}
+    pallas_failed = ""
     rows_out = []
-    for rows in (int(r) for r in FLAGS.rows):
+    for rows in sorted((int(r) for r in FLAGS.rows), reverse=True):
         sizes, x, weights = _ffn_inputs(rows)
         gs = jnp.asarray(sizes)
         row = dict(rows=rows, group_sizes=sizes.tolist(), flops=6 * rows * h * f,
@@ -192,9 +192,12 @@ def bench_ffn(floors: dict) -> list[dict]:
                     run, result = got
                     seconds, out = _time_torch(run), result()
                 elif method == "pallas":
-                    got = pallas.get(rows)
-                    if got is None or "error" in got:
-                        row["pallas_error"] = (got or {}).get("error", "not run")
+                    if pallas_failed:
+                        row["pallas_error"] = "skipped: " + pallas_failed
+                        continue
+                    got = _pallas_in_child(rows)
+                    if "error" in got:
+                        row["pallas_error"] = pallas_failed = got["error"]
                         continue
                     seconds, out = got["seconds"], None
                     row["pallas_rel_diff_to_xla"] = got["rel_diff_to_xla"]
@@ -221,7 +224,7 @@ def bench_ffn(floors: dict) -> list[dict]:
         print("FFN", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                       if k.endswith(("_us", "_tflops", "_of_dense_rate", "_of_copy_bw",
                                      "_error"))}, flush=True)
-    return rows_out
+    return sorted(rows_out, key=lambda r: r["rows"])
 
 
 def _ffn_inputs(rows: int):
@@ -237,35 +240,33 @@ def _ffn_inputs(rows: int):
 
 
 def _pallas_child() -> None:
-    """Times the Pallas FFN at every --rows and prints one JSON line each."""
-    for rows in (int(r) for r in FLAGS.rows):
-        sizes, x, weights = _ffn_inputs(rows)
-        gs = jnp.asarray(sizes)
-        fn = _ffn_jax("pallas", *weights)
-        seconds = _time_jax(fn, x, gs)
-        ref = _ffn_jax("xla", *weights)(x, gs)
-        print("PALLAS " + json.dumps(dict(rows=rows, seconds=seconds,
-                                          rel_diff_to_xla=_rel(fn(x, gs), ref))), flush=True)
+    """Times the Pallas FFN at the one --rows value and prints it as JSON."""
+    rows = int(FLAGS.rows[0])
+    sizes, x, weights = _ffn_inputs(rows)
+    gs = jnp.asarray(sizes)
+    fn = _ffn_jax("pallas", *weights)
+    seconds = _time_jax(fn, x, gs)
+    ref = _ffn_jax("xla", *weights)(x, gs)
+    print("PALLAS " + json.dumps(dict(rows=rows, seconds=seconds,
+                                      rel_diff_to_xla=_rel(fn(x, gs), ref))), flush=True)
 
 
-def _pallas_in_child() -> dict:
-    """{rows: {"seconds", "rel_diff_to_xla"} or {"error"}}: the Pallas
-    baseline in a child process, so that a crash of its compiler (seen:
-    aborts in the Mosaic GPU lowering) costs only this column."""
+def _pallas_in_child(rows: int, timeout_s: float = 90) -> dict:
+    """{"seconds", "rel_diff_to_xla"} or {"error"}: the Pallas baseline at
+    `rows` rows in a child process, so that a crash or hang of its compiler
+    (seen: aborts in the Mosaic GPU lowering) costs only this cell."""
     argv = [sys.executable, "-m", "benchmarks.expert_ffn_bench", "--pallas_child",
-            "--out=unused"] + [a for a in sys.argv[1:] if not a.startswith("--out")]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    got = {}
+            f"--rows={rows}"] + [a for a in sys.argv[1:]
+                                 if not a.startswith(("--out", "--rows", "--tag"))]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout_s:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("PALLAS "):
-            item = json.loads(line[len("PALLAS "):])
-            got[item["rows"]] = item
-    if proc.returncode != 0:
-        tail = [l for l in proc.stderr.splitlines() if l.strip()][-3:]
-        reason = f"child exited with {proc.returncode}: " + " | ".join(tail)
-        for rows in (int(r) for r in FLAGS.rows):
-            got.setdefault(rows, {"error": reason[:400]})
-    return got
+            return json.loads(line[len("PALLAS "):])
+    tail = [line for line in proc.stderr.splitlines() if line.strip()][-3:]
+    return {"error": f"child exited with {proc.returncode}: " + " | ".join(tail)[:400]}
 
 
 def _padded_einsum_layer(params, config, capacity: int):
@@ -431,17 +432,23 @@ def main(argv):
                 command="python -m benchmarks.expert_ffn_bench " + " ".join(sys.argv[1:]),
                 versions=_versions(), commit=commit(), source_digest=source_digest(),
                 extension_digest=extension_digest())
-    floors = _floors()
-    print("floors", floors, flush=True)
-    ffn = bench_ffn(floors)
-    layer = bench_layer(floors)
-    train = bench_train(floors)
     tag = FLAGS.tag or "expert_ffn_" + device.device_kind.replace(" ", "_")
     os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, tag + ".json"), "w") as f:
-        json.dump(dict(meta=meta, floors=floors, ffn=ffn, layer=layer, train=train), f, indent=1)
-    with open(os.path.join(FLAGS.out, tag + ".md"), "w") as f:
-        f.write(markdown(meta, floors, ffn, layer, train))
+    results = dict(meta=meta, floors=_floors(), ffn=[], layer=[], train=None)
+    print("floors", results["floors"], flush=True)
+
+    def write():  # after every part, so a run cut short keeps what it measured
+        with open(os.path.join(FLAGS.out, tag + ".json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(FLAGS.out, tag + ".md"), "w") as f:
+            f.write(markdown(**results))
+
+    results["ffn"] = bench_ffn(results["floors"])
+    write()
+    results["layer"] = bench_layer(results["floors"])
+    write()
+    results["train"] = bench_train(results["floors"])
+    write()
     print(f"wrote {FLAGS.out}/{tag}.json and .md")
 
 

@@ -125,17 +125,19 @@ def _pallas_ragged_dot():
     return functools.partial(ragged_dot_mgpu.ragged_dot, **PALLAS_CONFIG)
 
 
-def _ffn_jax(method, w_gate_up, w_down):
+def _ffn_jax(method):
+    """A jitted (x, group_sizes, w_gate_up, w_down) -> [M, H] expert FFN
+    (the weights are arguments: closed over, they would be compiled in as
+    constants)."""
     import moe_jax as mj
     from moe_jax.ops.grouped_matmul import split_gate_up
 
     if method in ("cutlass", "xla"):
-        weights = mj.ExpertWeights(w_gate_up, w_down)
-        return jax.jit(lambda x, gs: mj.swiglu_grouped(x, gs, weights, jnp.bfloat16,
-                                                       matmul=method))
+        return jax.jit(lambda x, gs, w_gate_up, w_down: mj.swiglu_grouped(
+            x, gs, mj.ExpertWeights(w_gate_up, w_down), jnp.bfloat16, matmul=method))
     dot = _pallas_ragged_dot()
 
-    def ffn(x, gs):
+    def ffn(x, gs, w_gate_up, w_down):
         gate, up = split_gate_up(dot(x, w_gate_up, group_sizes=gs))
         h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
         return dot(h, w_down, group_sizes=gs)
@@ -151,8 +153,7 @@ def _ffn_torch(x, w_gate_up, w_down, sizes):
         return None
     from moe_jax.ops.grouped_matmul import split_gate_up
 
-    to_torch = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(  # noqa: E731
-        "cuda", torch.bfloat16)
+    to_torch = torch.from_dlpack  # zero-copy views of the JAX arrays on the GPU
     gate, up = split_gate_up(w_gate_up)
     w_gu = to_torch(jnp.concatenate([gate, up], axis=2)).transpose(1, 2).contiguous()
     w_d = to_torch(w_down).transpose(1, 2).contiguous()
@@ -203,8 +204,8 @@ def bench_ffn(floors: dict) -> list[dict]:
                     row["pallas_rel_diff_to_xla"] = got["rel_diff_to_xla"]
                     row["pallas_config"] = PALLAS_CONFIG
                 else:
-                    fn = _ffn_jax(method, *weights)
-                    seconds, out = _time_jax(fn, x, gs), fn(x, gs)
+                    fn = _ffn_jax(method)
+                    seconds, out = _time_jax(fn, x, gs, *weights), fn(x, gs, *weights)
             except Exception as err:  # noqa: BLE001 (record why a baseline could not run)
                 row[f"{method}_error"] = f"{type(err).__name__}: {err}"[:300]
                 continue
@@ -244,11 +245,12 @@ def _pallas_child() -> None:
     rows = int(FLAGS.rows[0])
     sizes, x, weights = _ffn_inputs(rows)
     gs = jnp.asarray(sizes)
-    fn = _ffn_jax("pallas", *weights)
-    seconds = _time_jax(fn, x, gs)
-    ref = _ffn_jax("xla", *weights)(x, gs)
+    fn = _ffn_jax("pallas")
+    seconds = _time_jax(fn, x, gs, *weights)
+    ref = _ffn_jax("xla")(x, gs, *weights)
     print("PALLAS " + json.dumps(dict(rows=rows, seconds=seconds,
-                                      rel_diff_to_xla=_rel(fn(x, gs), ref))), flush=True)
+                                      rel_diff_to_xla=_rel(fn(x, gs, *weights), ref))),
+          flush=True)
 
 
 def _pallas_in_child(rows: int, timeout_s: float = 90) -> dict:
@@ -269,16 +271,15 @@ def _pallas_in_child(rows: int, timeout_s: float = 90) -> dict:
     return {"error": f"child exited with {proc.returncode}: " + " | ".join(tail)[:400]}
 
 
-def _padded_einsum_layer(params, config, capacity: int):
+def _padded_einsum_layer(config, capacity: int):
     """Router, top-k, tokens scattered into [E, capacity, H] buffers, one
     batched SwiGLU einsum per projection, weighted combine."""
     from moe_jax.ops.grouped_matmul import split_gate_up
     from moe_jax.routing import route, router_logits
 
-    gate_w, up_w = split_gate_up(params.experts.w_gate_up)
-    down_w = params.experts.w_down
-
-    def layer(x):
+    def layer(params, x):
+        gate_w, up_w = split_gate_up(params.experts.w_gate_up)
+        down_w = params.experts.w_down
         routing = route(router_logits(x, params.router, config), config, None)
         ids = routing.expert_ids.reshape(-1)
         onehot = jax.nn.one_hot(ids, config.num_experts, dtype=jnp.int32)
@@ -307,7 +308,8 @@ def bench_layer(floors: dict) -> list[dict]:
     out = []
     for tokens in (int(t) for t in FLAGS.layer_tokens):
         x = jnp.asarray(rng.standard_normal((tokens, FLAGS.hidden)), jnp.bfloat16)
-        routing = jax.jit(lambda x: route(router_logits(x, params.router, base), base, None))(x)
+        routing = jax.jit(lambda r, x: route(router_logits(x, r, base), base, None))(
+            params.router, x)
         loads = np.bincount(np.asarray(routing.expert_ids).reshape(-1),
                             minlength=FLAGS.experts)
         flops = 6 * tokens * FLAGS.top_k * FLAGS.hidden * FLAGS.ffn
@@ -319,10 +321,11 @@ def bench_layer(floors: dict) -> list[dict]:
             fn = jax.jit(lambda p, x, cfg=cfg: mj.moe_layer(p, x, cfg)[0])
             row[f"layer_{matmul}_us"] = _time_jax(fn, params, x) * 1e6
             results[matmul] = np.asarray(fn(params, x), np.float32)
-        padded = _padded_einsum_layer(params, base, int(loads.max()))
-        row["padded_einsum_us"] = _time_jax(padded, x) * 1e6
+        padded = _padded_einsum_layer(base, int(loads.max()))
+        row["padded_einsum_us"] = _time_jax(padded, params, x) * 1e6
         row["auto_vs_xla_rel_diff"] = _rel(results["auto"], results["xla"])
-        row["padded_vs_xla_rel_diff"] = _rel(np.asarray(padded(x), np.float32), results["xla"])
+        row["padded_vs_xla_rel_diff"] = _rel(np.asarray(padded(params, x), np.float32),
+                                             results["xla"])
         row["auto_over_floor"] = row["layer_auto_us"] / row["flop_floor_us"]
         out.append(row)
         print("layer", row, flush=True)

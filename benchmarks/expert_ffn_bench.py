@@ -373,21 +373,26 @@ def _versions() -> dict:
     return v
 
 
+def _portable(command: str) -> str:
+    """The command with its output folder written as OUT_DIR."""
+    return " ".join("--out=OUT_DIR" if a.startswith("--out=") else a for a in command.split())
+
+
 def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
              train: dict | None) -> str:
     us = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
     tf = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
     lines = [f"# Expert FFN and MoE layer, {meta['device']}", "",
              f"- date: {meta['date']}; commit {meta['commit']}",
-             f"- command: `{meta['command']}`",
+             f"- command: `{_portable(meta['command'])}`",
              f"- versions: {meta['versions']}; sources {meta['source_digest']}; "
              f"extensions {meta['extension_digest']}",
-             f"- shape: hidden {FLAGS.hidden}, ffn {FLAGS.ffn}, {FLAGS.experts} experts, bf16; "
-             f"median of {FLAGS.reps} runs of {FLAGS.iters} calls",
+             f"- shape: hidden {meta['hidden']}, ffn {meta['ffn']}, {meta['experts']} experts, "
+             f"bf16; median of {meta['reps']} runs of {meta['iters']} calls",
              f"- measured floors: dense bf16 matmul {floors['dense_tflops']:.0f} TFLOP/s, "
              f"device copy {floors['copy_gbps']:.0f} GB/s (read + write)", "",
              "## SwiGLU expert FFN (gate/up, silu * up, down), microseconds (TFLOP/s)", "",
-             f"Group sizes skewed: shares ~ exp(-{FLAGS.skew} e / E).", "",
+             f"Group sizes skewed: shares ~ exp(-{meta['skew']} e / E).", "",
              "| rows | group sizes | moe_jax CUTLASS | lax.ragged_dot | Pallas ragged_dot_mgpu "
              "| torch._grouped_mm | CUTLASS / dense rate | weights streamed (GB/s, of copy bw) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -434,7 +439,8 @@ def main(argv):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python -m benchmarks.expert_ffn_bench " + " ".join(sys.argv[1:]),
                 versions=_versions(), commit=commit(), source_digest=source_digest(),
-                extension_digest=extension_digest())
+                extension_digest=extension_digest(), hidden=FLAGS.hidden, ffn=FLAGS.ffn,
+                experts=FLAGS.experts, skew=FLAGS.skew, reps=FLAGS.reps, iters=FLAGS.iters)
     tag = FLAGS.tag or "expert_ffn_" + device.device_kind.replace(" ", "_")
     os.makedirs(FLAGS.out, exist_ok=True)
     results = dict(meta=meta, floors=_floors(), ffn=[], layer=[], train=None)

@@ -39,14 +39,24 @@ namespace moe_jax::cuda::grouped_gemm {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-// Tile configuration: warp-specialized ping-pong (one warpgroup per tile,
-// two tiles in flight) on 128 x 128 x 64 tiles, no cluster.
-struct TileConfig {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+// A tile configuration: CTA tile M x N x K, cluster shape, and the
+// warp-specialized schedule (ping-pong: one warpgroup per tile, two tiles in
+// flight; cooperative: two warpgroups split one tile's rows).
+template <int kTileM, int kTileN, int kTileK, int kClusterM, int kClusterN, bool kPingpong>
+struct TileConfigT {
+  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using KernelSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
+
+// The configuration every op uses: ping-pong on 128 x 128 x 64 tiles, no
+// cluster. (benchmarks: cuda/tests/grouped_gemm_tune.cu compares others.)
+using TileConfig = TileConfigT<128, 128, 64, 1, 1, true>;
 
 template <class Elem>
 inline constexpr int kAlign16B = 128 / cutlass::sizeof_bits<Elem>::value;

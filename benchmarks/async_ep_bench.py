@@ -64,7 +64,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks.provenance import source_digest  # noqa: E402
+from benchmarks.provenance import portable_command, source_digest  # noqa: E402
 from moe_jax.async_ep import tokens as tk  # noqa: E402
 from moe_jax.async_ep.baseline import SyncEngine  # noqa: E402
 from moe_jax.async_ep.costs import CostTable  # noqa: E402
@@ -337,7 +337,7 @@ def write_md(path, meta, rows):
     summary, peaks = peak_summary(rows)
     sync = peaks.get("sync")
     lines = [f"# Asynchronous vs. synchronous expert parallelism ({meta['devices']})", "",
-             f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+             f"- date: {meta['date']}", f"- command: `{portable_command(meta['command'])}`",
              f"- devices: {meta['devices']}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- flags: `{json.dumps(fl)}`",

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.provenance import commit, extension_digest, source_digest
+from benchmarks.provenance import commit, extension_digest, portable_command, source_digest
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["32", "512", "2048", "8192"], "Expert FFN row counts M.")
@@ -373,18 +373,13 @@ def _versions() -> dict:
     return v
 
 
-def _portable(command: str) -> str:
-    """The command with its output folder written as OUT_DIR."""
-    return " ".join("--out=OUT_DIR" if a.startswith("--out=") else a for a in command.split())
-
-
 def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
              train: dict | None) -> str:
     us = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
     tf = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
     lines = [f"# Expert FFN and MoE layer, {meta['device']}", "",
              f"- date: {meta['date']}; commit {meta['commit']}",
-             f"- command: `{_portable(meta['command'])}`",
+             f"- command: `{portable_command(meta['command'])}`",
              f"- versions: {meta['versions']}; sources {meta['source_digest']}; "
              f"extensions {meta['extension_digest']}",
              f"- shape: hidden {meta['hidden']}, ffn {meta['ffn']}, {meta['experts']} experts, "

@@ -2,7 +2,7 @@
 
     python -m benchmarks.fast_gpu_bench                       # all local GPUs
     python -m benchmarks.fast_gpu_bench --platform=cpu --cpu_devices=4 \\
-        --sizes=64 --hidden=64 --steps=5 --out=/tmp/fast_bench   # dry run
+        --sizes=64 --hidden=64 --steps=5 --out=OUT_DIR   # dry run
 
 Every method performs the same ragged all-to-all (rows grouped by
 destination in, rows grouped by source out, the same bytes) under jit over
@@ -38,7 +38,7 @@ import time
 
 from absl import app, flags
 
-from benchmarks.provenance import source_digest
+from benchmarks.provenance import portable_command, source_digest
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1024", "4096", "16384"],
@@ -216,7 +216,7 @@ def write_markdown(data: dict, path: str) -> None:
   from benchmarks.report import _fmt  # noqa: PLC0415
   meta, results = data["meta"], data["results"]
   lines = [f"# Staged (FAST) all-to-all vs padded and ragged: {meta['devices']}", "",
-           f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+           f"- date: {meta['date']}", f"- command: `{portable_command(meta['command'])}`",
            f"- jax {meta['jax']}, moe_jax {meta['moe_jax']} (sources "
            f"{meta['moe_jax_source_sha256']}), Python {meta['python']}, NCCL "
            f"{(meta.get('nccl') or {}).get('version', 'n/a')}",

@@ -53,3 +53,16 @@ def commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty.strip() else "")
+
+
+def portable_command(command: str) -> str:
+    """A recorded command without the machine's paths: the script as a path
+    relative to the repository, the output folder as OUT_DIR."""
+    out = []
+    for arg in command.split():
+        if arg.startswith("--out="):
+            arg = "--out=OUT_DIR"
+        elif arg.endswith(".py") and "/benchmarks/" in arg and arg.startswith("/"):
+            arg = "benchmarks/" + arg.rsplit("/benchmarks/", 1)[1]
+        out.append(arg)
+    return " ".join(out)

@@ -9,6 +9,8 @@ import json
 import sys
 from collections import defaultdict
 
+from benchmarks.provenance import portable_command
+
 
 def _fmt(v, digits=1):
     return "—" if v is None else f"{v:.{digits}f}"
@@ -26,7 +28,7 @@ def write_report(json_path: str) -> str:
         data = json.load(f)
     meta, results = data["meta"], data["results"]
     lines = [f"# MoE dispatch latency: {meta['devices']}", "",
-             f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+             f"- date: {meta['date']}", f"- command: `{portable_command(meta['command'])}`",
              f"- jax {meta['jax']}, moe_jax {meta['moe_jax']}, Python {meta['python']}",
              f"- d={meta['hidden']} bf16, E={meta['experts']}, top-{meta['top_k']}, "
              f"{meta['steps']} measured steps per row, fresh routing every step "

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.provenance import source_digest
+from benchmarks.provenance import portable_command, source_digest
 from moe_jax import row_invariant
 
 FLAGS = flags.FLAGS
@@ -114,7 +114,7 @@ def measure() -> list[dict]:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Row-invariant grouped matmul vs lax.ragged_dot: {meta['device']}", "",
-             f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+             f"- date: {meta['date']}", f"- command: `{portable_command(meta['command'])}`",
              f"- jax {meta['jax']}, Python {meta['python']}, sources {meta['source_digest']}",
              f"- median over {meta['steps']} steps of {meta['calls']} chained calls in one "
              "jitted loop; float32 accumulation and output in both; equal group sizes", "",

@@ -1,40 +1,40 @@
-"""Summary table across dispatch_bench result files (the README's table).
+"""Summary tables of dispatch_bench result files, one run per table.
 
     python -m benchmarks.summary docs/benchmarks/dispatch_*.json \
-        --out docs/benchmarks/SUMMARY.md --readme README.md
+        --out docs/benchmarks/SUMMARY.md
 
 Mean dispatch+combine latency per tokens-per-GPU for each method (cap_and_spill
-at q = 0.99), the ratios the targets are stated in, and the byte floor.
-With --readme, replaces the text between the benchmark-summary markers.
+at q = 0.99), the ratios the targets are stated in, and the byte floor. Every
+table is built from one result file (one run: one device, one set of XLA
+flags, one build) and names it; cells of different runs never share a table,
+so a ratio always compares numbers measured together.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+
+from benchmarks.provenance import portable_command
 
 METHODS = [("max_counts", None), ("cap_and_spill:lax", 0.99), ("cap_and_spill:nccl", 0.99),
            ("ragged", None), ("gshard", None), ("cap_and_spill:nvlink", 0.99),
            ("ragged:nvlink", None)]
-START, END = "<!-- benchmark-summary:start -->", "<!-- benchmark-summary:end -->"
-
-
-def _rows(paths):
-    rows, sources = {}, []
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        sources.append((path, data["meta"]))
-        timing = data["meta"].get("timing", "host")
-        unroll = data["meta"].get("loop_unroll", 1)
-        if timing == "loop" and unroll > 1:
-            timing = f"loop_x{unroll}"
-        for r in data["results"]:
-            if "error" in r:
-                continue
-            rows[(timing, r["phase"], r["tokens"], r["method"], r.get("quantile"))] = r
-    return rows, sources
+def _rows(path):
+    """(cells keyed by (timing, phase, tokens, method, quantile), meta) of one run."""
+    with open(path) as f:
+        data = json.load(f)
+    meta = data["meta"]
+    timing = meta.get("timing", "host")
+    unroll = meta.get("loop_unroll", 1)
+    if timing == "loop" and unroll > 1:
+        timing = f"loop_x{unroll}"
+    rows = {}
+    for r in data["results"]:
+        if "error" in r:
+            continue
+        rows[(timing, r["phase"], r["tokens"], r["method"], r.get("quantile"))] = r
+    return rows, meta
 
 
 TIMINGS = {"loop": "device-side: all steps in one jitted loop, mean per step",
@@ -52,32 +52,26 @@ def _cell(r):
     return "—" if r is None else f"{r['mean_us']:.0f}"
 
 
-def _device(path) -> str:
-    with open(path) as f:
-        return json.load(f)["meta"]["devices"]
-
-
 def _gpu_count(device: str) -> int:
     head = device.split(" x ", 1)[0]
     return int(head) if head.isdigit() else 1
 
 
 def summarize(paths) -> str:
-    """One set of tables per device (most GPUs first), never mixing devices in a cell."""
-    by_device = {}
-    for path in paths:
-        by_device.setdefault(_device(path), []).append(path)
-    order = sorted(by_device, key=lambda d: (-_gpu_count(d), d))
-    if len(order) == 1:
-        return _summarize_device(by_device[order[0]])
-    return "\n".join(f"### {device}\n\n" + _summarize_device(by_device[device])
-                     for device in order)
+    """Tables per run (most GPUs first, then by date), each from one file."""
+    runs = [(path, *_rows(path)) for path in paths]
+    runs.sort(key=lambda r: (-_gpu_count(r[2]["devices"]), r[2]["devices"], r[2]["date"]))
+    return "\n".join(_summarize_run(path, rows, meta) for path, rows, meta in runs)
 
 
-def _summarize_device(paths) -> str:
-    rows, sources = _rows(paths)
+def _summarize_run(path, rows, meta) -> str:
     tokens = sorted({k[2] for k in rows})
-    out = []
+    flags = meta.get("xla_flags") or "none"
+    out = [f"### {meta['devices']}: `{path}`", "",
+           f"Run of {meta['date']}: `{portable_command(meta['command'])}`; XLA flags: {flags}; "
+           f"jax {meta['jax']}; d={meta['hidden']} bf16, E={meta['experts']}, "
+           f"top-{meta['top_k']}, {meta['steps']} steps per cell (full tables, p50/p95/p99, "
+           "overflow rates, CDF plots in the file).", ""]
     unrolled = sorted({k[0] for k in rows if k[0].startswith("loop_x")})
     for timing, phase, title in [(t, p, n) for t in (*unrolled, "loop", "host")
                                  for p, n in (("dc", "dispatch + combine"),
@@ -111,35 +105,19 @@ def _summarize_device(paths) -> str:
                 line += f" {busiest:.0f} |" if busiest else " — |"
             out.append(line)
         out.append("")
-    devices = sorted({m["devices"] for _, m in sources})
-    out.append(f"Device: {', '.join(devices)}; jax {sources[0][1]['jax']}; d={sources[0][1]['hidden']}"
-               f" bf16, E={sources[0][1]['experts']}, top-{sources[0][1]['top_k']}, "
-               f"{sources[0][1]['steps']} steps per cell. Sources (full tables, p50/p95/p99, "
-               "overflow rates, CDF plots):")
-    for path, meta in sources:
-        out.append(f"- `{path}` ({meta['date']}): `{meta['command']}`")
     return "\n".join(out) + "\n"
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("paths", nargs="+")
-    parser.add_argument("--out")
-    parser.add_argument("--readme")
+    parser = argparse.ArgumentParser(description="Summary tables, one run per table.")
+    parser.add_argument("paths", nargs="+", help="dispatch_bench JSON files")
+    parser.add_argument("--out", help="write the tables to this markdown file")
     args = parser.parse_args()
     text = summarize(args.paths)
     if args.out:
         with open(args.out, "w") as f:
-            f.write("# Dispatch benchmark summary\n\n" + text)
-    if args.readme:
-        with open(args.readme) as f:
-            readme = f.read()
-        block = f"{START}\n{text}{END}"
-        readme, n = re.subn(re.escape(START) + r"[\s\S]*?" + re.escape(END), block, readme)
-        if n != 1:
-            raise SystemExit(f"{args.readme}: no benchmark-summary markers")
-        with open(args.readme, "w") as f:
-            f.write(readme)
+            f.write("# Dispatch benchmark summary\n\nOne table set per run: a ratio only "
+                    "compares numbers measured in the same run.\n\n" + text)
     print(text)
 
 

@@ -3,7 +3,7 @@
     python examples/generate.py [--strategy=cap_and_spill] [--transport=lax] [--ep=8]
         [--data_parallel=2]
         [--tokens=24] [--variant=linen|nnx] [--record_traces=routing.jsonl]
-        [--calibrate_from=routing.jsonl] [--checkpoint_dir=/tmp/moe_ckpt]
+        [--calibrate_from=routing.jsonl] [--checkpoint_dir=CKPT_DIR]
         [--benchmark_steps=20 [--benchmark_methods=dense,ragged,cap_and_spill:custom_call]
          [--benchmark_out=bench.json]] [--tokens_out=tokens.json]
 

@@ -14,7 +14,7 @@
 # OUT_DIR/bench_4proc.{json,md} hold the benchmark tables.
 #
 # Dry run on CPU (no nvlink, no custom_call across processes):
-#   MOE_EXAMPLES_PLATFORM=cpu tools/gpu_examples.sh /tmp/gpu_examples_dry
+#   MOE_EXAMPLES_PLATFORM=cpu tools/gpu_examples.sh OUT_DIR
 # PYTHON (default python3) picks the interpreter; MODEL_FLAGS replaces the
 # model and batch flags below.
 set -uo pipefail

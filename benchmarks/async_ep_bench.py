@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks.provenance import portable_command, source_digest  # noqa: E402
+from moe_jax import cli  # noqa: E402
 from moe_jax.async_ep import tokens as tk  # noqa: E402
 from moe_jax.async_ep.baseline import SyncEngine  # noqa: E402
 from moe_jax.async_ep.costs import CostTable  # noqa: E402
@@ -111,7 +112,7 @@ flags.DEFINE_float("model_row_us", 2.0, "--cost=model: cost per padded row.")
 flags.DEFINE_integer("cost_rounds", 15, "--cost=table: rounds per (kind, bucket, device).")
 flags.DEFINE_integer("max_executions", 2_000_000, "Async: stop after this many executions.")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
-flags.DEFINE_string("out", "docs/benchmarks", "Output folder.")
+flags.DEFINE_string("out", None, "Output folder. Required: the records under docs/benchmarks/ are only written when named.")
 flags.DEFINE_string("suffix", "", "Appended to the output stem.")
 
 RANGES = {"short": ((30, 70), (70, 130)), "medium": ((50, 150), (50, 250))}
@@ -178,6 +179,8 @@ def device_name(devices):
 
 def main(argv):
     del argv
+    if not FLAGS.out:
+        raise app.UsageError("--out is required (the folder for the results)")
     devices = jax.devices(FLAGS.platform)[:FLAGS.num_devices]
     (_, ihi), (_, ohi) = scaled_ranges()
     config = TinyMoEConfig(vocab=256, hidden=FLAGS.hidden, ffn=FLAGS.ffn, heads=FLAGS.heads,
@@ -303,7 +306,7 @@ def main(argv):
         json.dump(dict(meta=meta, results=rows), f, indent=1)
     write_md(stem + ".md", meta, rows)
     plot(stem + ".png", rows, meta)
-    print(f"wrote {stem}.{{json,md,png}} after {meta['wall_s']:.0f} s")
+    print(f"wrote {stem}.{{json,md}} (and .png with matplotlib) after {meta['wall_s']:.0f} s")
 
 
 def peak_summary(rows):
@@ -391,9 +394,15 @@ def write_md(path, meta, rows):
 
 
 def plot(path, rows, meta):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The throughput and latency curves as a PNG (skipped without matplotlib,
+    the [bench] extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot written")
+        return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for engine in dict.fromkeys(r["engine"] for r in rows):
         rs = [r for r in rows if r["engine"] == engine]
@@ -414,4 +423,4 @@ def plot(path, rows, meta):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

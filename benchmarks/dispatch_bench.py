@@ -50,6 +50,7 @@ from moe_jax.plan import make_plan, worst_case_rows_per_peer
 from moe_jax.traces import sample_routing
 
 from benchmarks.provenance import source_digest
+from moe_jax import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["16", "64", "256", "1024", "4096"], "Tokens per GPU.")
@@ -66,7 +67,7 @@ flags.DEFINE_integer("warmup", 5, "Unmeasured steps first.")
 flags.DEFINE_integer("routings", 50, "Distinct routings cycled through (fresh per step).")
 flags.DEFINE_integer("calibration_steps", 400, "Trace-model steps used to choose C and S.")
 flags.DEFINE_integer("seed", 0, "Routing seed.")
-flags.DEFINE_string("out", "docs/benchmarks", "Folder for JSON, markdown and plot.")
+flags.DEFINE_string("out", None, "Folder for JSON, markdown and plot. Required: the records under docs/benchmarks/ are only written when named.")
 flags.DEFINE_string("tag", "dispatch", "File name stem of the results.")
 flags.DEFINE_float("time_budget_s", 480, "Stop starting new configurations after this.")
 flags.DEFINE_enum("timing", "host", ["host", "loop"],
@@ -262,6 +263,8 @@ def _alltoall_bandwidth(mesh, ranks):
 
 def main(argv):
     del argv
+    if not FLAGS.out:
+        raise app.UsageError("--out is required (the folder for the results)")
     start_time = time.time()
     mesh = _mesh()
     ranks = mesh.shape["ep"]
@@ -379,4 +382,4 @@ def _write(results, devices, bandwidth, partial):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -47,6 +47,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.provenance import commit, extension_digest, portable_command, source_digest
+from moe_jax import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["32", "512", "2048", "8192"], "Expert FFN row counts M.")
@@ -457,4 +458,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -35,6 +35,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from moe_jax import cli
+
 from moe_jax.fast import cpp
 from moe_jax.fast import simulator as sim
 from moe_jax.fast import workloads
@@ -57,7 +59,7 @@ flags.DEFINE_float("mean_bytes", 50e6, "Mean bytes per GPU pair (simulation).")
 flags.DEFINE_float("zipf_skew", 0.9, "Zipf skewness.")
 flags.DEFINE_integer("seed", 0, "Matrix seed.")
 flags.DEFINE_string("device_label", "2-core CPU", "How to name the CPU.")
-flags.DEFINE_string("out", "docs/benchmarks", "Output folder.")
+flags.DEFINE_string("out", None, "Output folder. Required: the records under docs/benchmarks/ are only written when named.")
 
 # FAST paper (NSDI '26), section 4.4 and Figure 16, 8 GPUs per server.
 PAPER_US = {16: 3.1, 32: 25.0, 64: 221.0, 96: 805.0, 320: 77_000.0}
@@ -369,6 +371,8 @@ def write_simulation(results, meta, fabric):
 
 def main(argv):
   del argv
+  if not FLAGS.out:
+    raise app.UsageError("--out is required (the folder for the results)")
   if not cpp.available():
     raise SystemExit("moe_jax._fast is not built")
   os.makedirs(FLAGS.out, exist_ok=True)
@@ -385,4 +389,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -39,6 +39,7 @@ import time
 from absl import app, flags
 
 from benchmarks.provenance import portable_command, source_digest
+from moe_jax import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1024", "4096", "16384"],
@@ -57,7 +58,7 @@ flags.DEFINE_integer("seed", 0, "Matrix seed.")
 flags.DEFINE_enum("platform", "auto", ["auto", "gpu", "cpu"],
                   "auto: GPUs when there are any, else CPU devices.")
 flags.DEFINE_integer("cpu_devices", 4, "Emulated CPU devices (--platform=cpu).")
-flags.DEFINE_string("out", "docs/benchmarks", "Folder for the JSON and markdown.")
+flags.DEFINE_string("out", None, "Folder for the JSON and markdown. Required: the records under docs/benchmarks/ are only written when named.")
 flags.DEFINE_string("tag", "", "File stem (default fast_gpu_<P>x<device>).")
 flags.DEFINE_float("time_budget_s", 900, "Stop starting new measurements after this.")
 
@@ -262,6 +263,8 @@ def write_markdown(data: dict, path: str) -> None:
 
 def main(argv):
   del argv
+  if not FLAGS.out:
+    raise app.UsageError("--out is required (the folder for the results)")
   devices, plat = _setup_platform()
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -342,4 +345,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -27,6 +27,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.provenance import portable_command, source_digest
+from moe_jax import cli
 from moe_jax import row_invariant
 
 FLAGS = flags.FLAGS
@@ -38,7 +39,7 @@ flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
 flags.DEFINE_integer("calls", 10, "Matmuls per measured step (one jitted loop).")
 flags.DEFINE_integer("steps", 20, "Measured steps per case.")
 flags.DEFINE_integer("warmup", 3, "Unmeasured steps first.")
-flags.DEFINE_string("out", "docs/benchmarks", "Folder for the JSON and markdown.")
+flags.DEFINE_string("out", None, "Folder for the JSON and markdown. Required: the records under docs/benchmarks/ are only written when named.")
 flags.DEFINE_string("tag", "", "File stem (default row_matmul_<device>).")
 
 METHODS = {
@@ -131,6 +132,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv):
     del argv
+    if not FLAGS.out:
+        raise app.UsageError("--out is required (the folder for the results)")
     device = jax.devices()[0]
     meta = dict(device=device.device_kind, platform=device.platform,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -148,4 +151,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

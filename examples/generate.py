@@ -61,7 +61,7 @@ from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import moe_jax as mj  # noqa: E402
-from moe_jax import checkpoint  # noqa: E402
+from moe_jax import checkpoint, cli  # noqa: E402
 from moe_jax.config import STRATEGIES, TRANSPORTS  # noqa: E402
 from moe_jax.models import (DecoderConfig, MixtralLinen, MixtralNnx, init_params,  # noqa: E402
                             nnx_load_params)
@@ -80,9 +80,10 @@ flags.DEFINE_enum("transport", "lax", list(TRANSPORTS),
 flags.DEFINE_enum("kernel_impl", "auto", ["auto", "custom_call", "reference"],
                   "Pack/combine as custom calls or their pure-JAX references (auto: "
                   "custom_call, except for the ragged strategy on a multi-process CPU mesh).")
-flags.DEFINE_enum("matmul", "row_invariant", ["row_invariant", "xla"],
+flags.DEFINE_enum("matmul", "row_invariant", ["row_invariant", "auto", "cutlass", "xla"],
                   "Router and expert matmuls (MoEConfig.matmul): row_invariant gives every "
-                  "strategy and EP size the same bits; xla uses XLA's dots.")
+                  "strategy and EP size the same bits; auto / cutlass use the CUTLASS "
+                  "grouped GEMMs on Hopper GPUs; xla uses XLA's dots.")
 flags.DEFINE_integer("ep", None, "Expert-parallel ranks (devices on the mesh axis 'ep'; "
                      "default: all devices).")
 flags.DEFINE_integer("data_parallel", 1, "Data-parallel groups D: the mesh becomes "
@@ -402,6 +403,13 @@ def start_processes() -> None:
 
 def main(argv):
     del argv
+    cli.require_file("calibrate_from", FLAGS.calibrate_from)
+    if FLAGS.capacity is not None and FLAGS.capacity < 1:
+        raise app.UsageError(f"--capacity={FLAGS.capacity} must be >= 1")
+    if FLAGS.spill_capacity is not None and FLAGS.spill_capacity < 0:
+        raise app.UsageError(f"--spill_capacity={FLAGS.spill_capacity} must be >= 0")
+    for flag in ("record_traces", "tokens_out", "benchmark_out"):
+        cli.require_writable_parent(flag, getattr(FLAGS, flag))
     logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
     start_processes()
     mesh, ep = make_mesh()
@@ -475,4 +483,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

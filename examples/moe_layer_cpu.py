@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import moe_jax as mj  # noqa: E402
+from moe_jax import cli  # noqa: E402
 from moe_jax.layer import init_moe_params, moe_layer  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -63,6 +64,8 @@ def main(argv):
     del argv
     devices = jax.devices()[:FLAGS.devices]
     data = FLAGS.data_parallel
+    if FLAGS.tokens_per_device < 1:
+        raise app.UsageError(f"--tokens_per_device={FLAGS.tokens_per_device} must be >= 1")
     if data < 1 or len(devices) % data:
         raise app.UsageError(f"--data_parallel={data} must divide the {len(devices)} devices")
     mesh = mj.expert_mesh(len(devices) // data, data, devices)
@@ -102,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

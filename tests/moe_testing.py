@@ -95,7 +95,7 @@ def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, t
     experts_spec = P("ep")
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3 + (experts_spec,) * 3,
                                out_specs=(spec, spec, spec,
-                                          mj.DispatchStats(*(stats_spec,) * 6))))
+                                          mj.DispatchStats(*(stats_spec,) * len(mj.DispatchStats._fields)))))
     return mesh, fn, spec
 
 

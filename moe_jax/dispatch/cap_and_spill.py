@@ -32,7 +32,7 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
     out, delivered = window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
                                  start=0, capacity=cap, spill_capacity=spill,
                                  delivered_rows=delivered_rows)
-    stats = stream_stats(peer_counts, cap, spill)
+    stats = stream_stats(peer_counts, cap, spill, num_slots=plan.num_slots * ctx.num_ranks)
     residual = worst - cap - spill
     if residual == 0 or _measure_without_fallback:
         return out, stats, delivered

@@ -16,13 +16,14 @@ from moe_jax import nvlink
 from moe_jax.dispatch.context import DispatchContext
 from moe_jax.dispatch.passes import Delivered
 from moe_jax.dispatch.stats import stream_stats
+from moe_jax.plan import drop_invalid_picks
 
 
 def nvlink_dispatch_combine(x, expert_ids, weights, expert_fn, *, strategy: str,
                             ctx: DispatchContext, experts_per_rank: int, capacity=None,
                             spill_capacity=None, return_delivered: bool = False):
     """Returns (out [T, H] in x.dtype, DispatchStats, Delivered or None)."""
-    ids = expert_ids.astype(jnp.int32)
+    ids = drop_invalid_picks(expert_ids, ctx.num_ranks * experts_per_rank)
     channel, got = nvlink.dispatch(x, ids, experts_per_rank=experts_per_rank,
                                    axis_name=ctx.axis_name, mesh_devices=ctx.mesh_devices,
                                    fp8=ctx.dispatch_fp8)
@@ -31,10 +32,11 @@ def nvlink_dispatch_combine(x, expert_ids, weights, expert_fn, *, strategy: str,
     y = expert_fn(got.rows, got.group_sizes).astype(x.dtype)
     out = nvlink.combine(channel, y, got, ids, weights, axis_name=ctx.axis_name)
     peer_counts = jnp.sum(got.all_counts, axis=2)
+    num_slots = ctx.num_ranks * ids.size
     if strategy == "cap_and_spill":
-        stats = stream_stats(peer_counts, capacity, channel.rows)
+        stats = stream_stats(peer_counts, capacity, channel.rows, num_slots=num_slots)
     else:
-        stats = stream_stats(peer_counts)
+        stats = stream_stats(peer_counts, num_slots=num_slots)
     delivered = None
     if return_delivered:
         valid = jnp.arange(channel.rows) < jnp.sum(got.group_sizes)

@@ -54,8 +54,10 @@ def random_case(seed: int, ranks: int, tokens_per_rank: int, num_experts: int, t
     return jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(w)
 
 
-def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32):
-    return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype)
+def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32, matmul: str = "xla"):
+    """SwiGLU experts; matmul="row_invariant" makes every output row's bits
+    independent of the other rows (then every strategy's output is dense's)."""
+    return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype, matmul)
 
 
 def needs_gpus(count: int) -> None:
@@ -77,14 +79,15 @@ def mesh_of(ranks: int, backend: str = "cpu", data: int = 1) -> jax.sharding.Mes
 
 @functools.lru_cache(maxsize=None)
 def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
-                     compute_dtype, backend, data):
+                     compute_dtype, backend, data, matmul):
     mesh = mesh_of(ranks, backend, data)
     data_axes = ("data",) if data > 1 else ()
     ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu",
                           tuple(mesh.devices.flat), data_axes=data_axes, data_ranks=data)
 
     def body(x, ids, w, wg, wu, wd):
-        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
+        experts = expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype, matmul)
+        res = dispatch_combine(x, ids, w, experts,
                                strategy=strategy, ctx=ctx, experts_per_rank=experts_per_rank,
                                capacity=capacity, spill_capacity=spill, return_delivered=True)
         stats = jax.tree.map(lambda s: s[None], res.stats) if data > 1 else res.stats
@@ -101,7 +104,7 @@ def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, t
 
 def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capacity=None,
                  spill=None, impl="custom_call", transport="lax", compute_dtype=jnp.float32,
-                 backend="cpu", data=1):
+                 backend="cpu", data=1, matmul="xla"):
     """Runs a strategy under shard_map over `ranks` CPU devices, or over
     `data` groups of `ranks` (a ("data", "ep") mesh: tokens split over both
     axes, data-major; experts over "ep").
@@ -111,7 +114,8 @@ def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capac
     """
     num_experts = experts.w_gate.shape[0]
     mesh, fn, spec = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill,
-                                      impl, transport, jnp.dtype(compute_dtype), backend, data)
+                                      impl, transport, jnp.dtype(compute_dtype), backend, data,
+                                      matmul)
     tokens = NamedSharding(mesh, spec)
     weights = NamedSharding(mesh, P("ep"))
     args = ([jax.device_put(a, tokens) for a in (x, ids, w)]
@@ -123,12 +127,13 @@ def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capac
 
 
 @functools.lru_cache(maxsize=None)
-def _dense_runner(num_experts, impl, compute_dtype):
+def _dense_runner(num_experts, impl, compute_dtype, matmul):
     """The reference runs on CPU whatever the host has."""
     ctx = DispatchContext(None, 1, "lax", impl, "cpu")
 
     def run(x, ids, w, wg, wu, wd):
-        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype),
+        experts = expert_fn(mj.ExpertWeights(wg, wu, wd), compute_dtype, matmul)
+        res = dispatch_combine(x, ids, w, experts,
                                strategy="dense", ctx=ctx, experts_per_rank=num_experts,
                                return_delivered=True)
         return res.out, res.delivered.rows, res.delivered.group_sizes
@@ -137,9 +142,9 @@ def _dense_runner(num_experts, impl, compute_dtype):
 
 
 def run_dense(x, ids, w, experts: mj.ExpertWeights, *, impl="reference",
-              compute_dtype=jnp.float32):
+              compute_dtype=jnp.float32, matmul="xla"):
     """The reference: (out [T, H], rows [T*k, H] expert-major, group sizes [E])."""
-    fn = _dense_runner(experts.w_gate.shape[0], impl, jnp.dtype(compute_dtype))
+    fn = _dense_runner(experts.w_gate.shape[0], impl, jnp.dtype(compute_dtype), matmul)
     cpu = jax.devices("cpu")[0]
     out, rows, sizes = fn(*jax.device_put((x, ids, w, *experts), cpu))
     return np.asarray(out), np.asarray(rows), np.asarray(sizes)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.fp8 import dequantize
+from moe_jax.transposes import row_dots
 
 
 class CountAwareOps(Protocol):
@@ -100,13 +101,13 @@ def row_cotangents(g_rows: jax.Array, y: jax.Array, valid: jax.Array, pick: jax.
       width: columns of the one-hot rows (meta_width(k)).
     Returns:
       (d_y [R, H] in y's dtype: weight * f32(g) on valid rows, else 0;
-       one_hot [R, width] float32: the row's dot sum_h f32(g) * f32(y) in
+       one_hot [R, width] float32: the row's dot row_dots(f32(g), f32(y)) in
        column `pick`, zeros elsewhere and on padding rows). The arithmetic
-      is that of moe_jax.transposes.combine_cotangents.
+      is that of moe_jax.transposes.combine_cotangents, bit for bit.
     """
     g32 = g_rows.astype(jnp.float32)
     d_y = jnp.where(valid[:, None], weight[:, None] * g32, jnp.float32(0)).astype(y.dtype)
-    dots = jnp.where(valid, jnp.sum(g32 * y.astype(jnp.float32), axis=-1), jnp.float32(0))
+    dots = jnp.where(valid, row_dots(g32, y.astype(jnp.float32)), jnp.float32(0))
     columns = jnp.arange(width, dtype=jnp.int32)
     one_hot = jnp.where((columns[None, :] == pick[:, None]) & valid[:, None], dots[:, None],
                         jnp.float32(0))

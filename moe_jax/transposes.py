@@ -9,7 +9,8 @@ stream windows, combine sums window rows back into slot order. Their VJPs
 * `combine_cotangents`: combine's cotangents, the window rows' (each the
   pick's weight times the output gradient of its token, gathered into the
   window layout) and the weights' (per pick, the dot of its token's output
-  gradient with the row the pick read).
+  gradient with the row the pick read, summed in a fixed order by
+  `row_dots`).
 
 Both follow the plan's layout (moe_jax/plan.py): streams are disjoint, and a
 (destination, position) pair names at most one slot.
@@ -21,6 +22,25 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.plan import DROPPED_POS
+
+
+def row_dots(a: jax.Array, b: jax.Array) -> jax.Array:
+    """[N] float32 dots of the rows of a and b ([N, H] float32).
+
+    Products rounded to float32 (never fused into an FMA), then summed by a
+    fixed pairwise tree over the columns (halves added elementwise, odd
+    widths padded with +0), so a row's bits depend on that row alone, not on
+    N or on how XLA would tile a reduction. The gradients of the combine
+    weights use it, so every strategy gets the same bits.
+    """
+    acc = jax.lax.optimization_barrier(a * b)
+    while acc.shape[-1] > 1:
+        width = acc.shape[-1]
+        if width % 2:
+            acc = jnp.concatenate([acc, jnp.zeros(acc.shape[:-1] + (1,), acc.dtype)], axis=-1)
+            width += 1
+        acc = acc[..., :width // 2] + acc[..., width // 2:]
+    return acc[..., 0] if acc.shape[-1] else jnp.zeros(acc.shape[:-1], acc.dtype)
 
 
 def stream_positions(sorted_slots: jax.Array, send_offsets: jax.Array,
@@ -80,8 +100,8 @@ def combine_cotangents(g: jax.Array, cap_ret: jax.Array, spill_ret: jax.Array,
     Returns:
       (d_cap [P, C, H] and d_spill [P, S, H] in cap_ret's dtype: row of slot
        (t, j) = f32(weights[t, j] * f32(g[t])) rounded to that dtype, zero for
-       rows no slot reads; d_weights [T, k] float32: sum over h of
-       f32(g[t, h]) * f32(row of (t, j))[h], 0 for picks outside the windows).
+       rows no slot reads; d_weights [T, k] float32: row_dots of f32(g[t])
+       and f32(row of (t, j)), 0 for picks outside the windows).
     """
     num_tokens, top_k = weights.shape
     capacity, spill = cap_ret.shape[1], spill_ret.shape[1]
@@ -101,7 +121,6 @@ def combine_cotangents(g: jax.Array, cap_ret: jax.Array, spill_ret: jax.Array,
     if spill:
         rows = jnp.where(in_spill[:, None], spill_ret[dest, jnp.clip(q - capacity, 0, spill - 1)]
                          .astype(jnp.float32), rows)
-    token_g = jnp.repeat(g32, top_k, axis=0)
-    dots = jnp.sum(token_g * rows, axis=-1)
+    dots = row_dots(jnp.repeat(g32, top_k, axis=0), rows)
     d_weights = jnp.where(in_cap | in_spill, dots, jnp.float32(0)).reshape(num_tokens, top_k)
     return d_cap, d_spill, d_weights

@@ -181,3 +181,69 @@ def rel_error(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rowwise_experts(scales: jax.Array):
+    """Expert e maps a row to tanh(row) * scales[e]: every output row (and
+    its gradient) is a function of that row alone, bitwise."""
+    def fn(rows, group_sizes):
+        expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                            total_repeat_length=rows.shape[0])
+        return (jnp.tanh(rows.astype(jnp.float32))
+                * scales[expert].astype(jnp.float32)).astype(rows.dtype)
+    return fn
+
+
+def _experts_of(kind: str, params, matmul: str):
+    if kind == "rowwise":
+        return rowwise_experts(params)
+    return expert_fn(mj.ExpertWeights(*params), jnp.float32, matmul)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport, kind,
+                 matmul, backend):
+    dense = strategy == "dense"
+    mesh = None if dense else mesh_of(ranks, backend)
+    platform = "cpu" if backend == "cpu" else "gpu"
+    if dense:
+        ctx = DispatchContext(None, 1, "lax", impl, platform)
+    else:
+        ctx = DispatchContext("ep", ranks, transport, impl, platform, tuple(mesh.devices.flat))
+
+    def body(x, ids, w, params):
+        res = dispatch_combine(x, ids, w, _experts_of(kind, params, matmul), strategy=strategy,
+                               ctx=ctx, experts_per_rank=experts_per_rank, capacity=capacity,
+                               spill_capacity=spill)
+        return res.out, (res.stats.dropped_rows, res.stats.fallback_steps)
+
+    if not dense:
+        spec = P("ep")
+        body = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4,
+                             out_specs=(spec, (P(), P())))
+
+    def loss(x, w, params, ids, ct):
+        out, counts = body(x, ids, w, params)
+        return jnp.sum(out.astype(jnp.float32) * ct), (out, counts)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def strategy_grads(strategy, x, ids, w, params, ranks, *, capacity=None, spill=None,
+                   impl="custom_call", transport="lax", kind="rowwise", matmul="xla",
+                   backend="cpu", seed=0):
+    """Gradients of sum(out * ct) (ct random, fixed by seed) through
+    dispatch_combine on `ranks` devices of `backend` ("dense": one rank).
+
+    params: [E, H] scales (kind "rowwise", see rowwise_experts) or the three
+    SwiGLU weights (kind "swiglu"). Returns (out [T, H], stats.dropped_rows,
+    dx, dw, dparams, stats.fallback_steps) as numpy / ints.
+    """
+    num_experts = jax.tree.leaves(params)[0].shape[0]
+    experts_per_rank = num_experts if strategy == "dense" else num_experts // ranks
+    ct = jax.random.normal(jax.random.key(seed), x.shape, jnp.float32)
+    fn = _grad_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
+                      kind, matmul, backend)
+    (_, (out, (dropped, fallback))), (dx, dw, dparams) = fn(x, w, params, ids, ct)
+    return (np.asarray(out), int(dropped), np.asarray(dx), np.asarray(dw),
+            jax.tree.map(np.asarray, dparams), int(fallback))

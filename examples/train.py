@@ -2,7 +2,7 @@
 
     python examples/train.py [--strategies=dense,max_counts,cap_and_spill,ragged]
         [--variant=linen|nnx] [--transport=lax] [--ep=8] [--data_parallel=1]
-        [--steps=300] [--batch=16] [--seq_len=16] [--learning_rate=3e-3]
+        [--steps=300] [--batch=32] [--seq_len=16] [--learning_rate=1e-3]
         [--plot=docs/training_loss.png] [--curves_out=curves.json]
         [--checkpoint_dir=/tmp/train_ckpt] [--platform=cpu|gpu]
 
@@ -60,12 +60,12 @@ flags.DEFINE_integer("ep", None, "Expert-parallel ranks (default: all devices / 
                      "--data_parallel).")
 flags.DEFINE_integer("data_parallel", 1, "Data-parallel groups (a ('data', 'ep') mesh).")
 flags.DEFINE_integer("steps", 300, "Training steps per strategy.")
-flags.DEFINE_integer("batch", 16, "Sequences per step (batch x seq_len tokens must split "
+flags.DEFINE_integer("batch", 32, "Sequences per step (batch x seq_len tokens must split "
                      "evenly over the ranks).")
 flags.DEFINE_integer("seq_len", 16, "Tokens per sequence.")
 flags.DEFINE_float("noise", 0.1, "Probability of a random next token in the task.")
-flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
-flags.DEFINE_integer("vocab", 64, "Vocabulary size.")
+flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
+flags.DEFINE_integer("vocab", 256, "Vocabulary size.")
 flags.DEFINE_integer("d_model", 64, "Model width.")
 flags.DEFINE_integer("heads", 4, "Attention heads.")
 flags.DEFINE_integer("layers", 2, "Decoder blocks.")
@@ -77,8 +77,10 @@ flags.DEFINE_integer("capacity", None, "C of cap_and_spill (default: half the me
 flags.DEFINE_integer("spill_capacity", None, "S of cap_and_spill (default: C / 2).")
 flags.DEFINE_float("load_balance_coef", 1e-2, "Weight of the load-balancing loss.")
 flags.DEFINE_float("router_z_coef", 1e-3, "Weight of the router z-loss.")
-flags.DEFINE_float("tolerance", 1e-3, "Largest relative difference between a strategy's "
-                   "loss curve and the reference's (0: bitwise).")
+flags.DEFINE_float("tolerance", 1e-2, "Largest relative difference between a strategy's "
+                   "loss curve and the reference's (0: bitwise). With XLA's matmul the "
+                   "curves start within ~1e-6 and drift apart once a near-tie routing "
+                   "decision rounds the other way.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the task.")
 flags.DEFINE_string("plot", None, "Save the loss curves to this PNG (needs matplotlib).")
 flags.DEFINE_string("curves_out", None, "Write the loss curves and the setup as JSON.")
@@ -201,7 +203,7 @@ def train(strategy: str, mesh, ep: int, params, task: BigramTask):
     return trainer, np.array(losses), stats, per_step, start
 
 
-def plot(curves: dict, floor: float, path: str) -> bool:
+def plot(curves: dict, floor: float, path: str, ep: int) -> bool:
     try:
         import matplotlib  # noqa: PLC0415 (optional: the [bench] extra)
         matplotlib.use("Agg")
@@ -219,9 +221,11 @@ def plot(curves: dict, floor: float, path: str) -> bool:
     top.axhline(floor, color="gray", lw=0.8, ls=":", label="noise floor")
     top.set_yscale("log")
     top.set_ylabel("next-token cross-entropy (nats)")
-    top.set_title(f"{FLAGS.variant} decoder, {FLAGS.layers} MoE layers, {FLAGS.experts} "
-                  f"experts top-{FLAGS.top_k}, EP={FLAGS.ep or 'all'}, matmul={FLAGS.matmul}",
-                  fontsize=9)
+    data = f" x data {FLAGS.data_parallel}" if FLAGS.data_parallel > 1 else ""
+    top.set_title(f"{FLAGS.variant} decoder, {FLAGS.layers} MoE layers of {FLAGS.experts} "
+                  f"experts (top-{FLAGS.top_k}), EP {ep}{data}, transport {FLAGS.transport}, "
+                  f"matmul {FLAGS.matmul}; Adam, batch {FLAGS.batch} x {FLAGS.seq_len}",
+                  fontsize=8)
     top.legend(fontsize=8)
     for name in names[1:]:
         n = min(len(curves[name]), len(reference))
@@ -295,7 +299,7 @@ def main(argv):
     print(f"\n{'PASS' if ok else 'FAIL'}: every loss fell and every curve is within "
           f"{FLAGS.tolerance:g} of {reference_name}'s")
     if FLAGS.plot:
-        if plot(curves, task.noise_floor(), FLAGS.plot):
+        if plot(curves, task.noise_floor(), FLAGS.plot, ep):
             print(f"wrote {FLAGS.plot}")
     if FLAGS.curves_out:
         with open(FLAGS.curves_out, "w", encoding="utf-8") as f:

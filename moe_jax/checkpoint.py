@@ -12,12 +12,19 @@ sharding and fused (``moe_jax.ops.grouped_matmul.fuse_gate_up``).
 Layout of a checkpoint directory::
 
     <dir>/params/          orbax StandardCheckpointer tree (canonical params)
+    <dir>/train_state/     a training state (save_state: params, optimizer
+                           state, step; any pytree whose expert weights and
+                           their optimizer moments sit under the names
+                           w_gate, w_up, w_down)
     <dir>/decoder_config.json   the DecoderConfig fields, MoEConfig under "moe"
                                 (shapes checked on restore)
 
     save_params(dir, params, cfg, mesh=mesh4)
     params = restore_params(dir, cfg, mesh=mesh8)        # resharded onto 8 ranks
     model = nnx_load_params(MixtralNnx(cfg, mesh=mesh8, rngs=nnx.Rngs(0)), params)
+
+    save_state(dir, state, cfg, mesh=mesh4)              # e.g. models.train_linen
+    state = restore_state(dir, abstract_state, cfg, mesh=mesh8)
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ from moe_jax.models.decoder import DecoderConfig, init_params
 from moe_jax.models.sharding import param_shardings, shard_params
 from moe_jax.ops.grouped_matmul import fuse_gate_up
 
-__all__ = ["abstract_params", "load_config", "restore_params", "save_params"]
+__all__ = ["abstract_params", "load_config", "restore_params", "restore_state", "save_params",
+           "save_state"]
 
 _PARAMS = "params"
+_STATE = "train_state"
 _CONFIG = "decoder_config.json"
 # Fields that fix parameter shapes and dtypes: a checkpoint restores only onto
 # a config that agrees on them (strategy, capacities etc. may differ). Names
@@ -119,9 +128,7 @@ def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | 
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(directory, _PARAMS), params, force=force)
         ckptr.wait_until_finished()
-    if cfg is not None and jax.process_index() == 0:
-        with open(os.path.join(directory, _CONFIG), "w", encoding="utf-8") as f:
-            json.dump(_config_json(cfg), f, indent=1, default=str)
+    _write_config(directory, cfg)
     return directory
 
 
@@ -141,6 +148,79 @@ def abstract_params(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None = None) -
                         shapes, shardings)
 
 
+def _write_config(directory: str, cfg: DecoderConfig | None) -> None:
+    if cfg is not None and jax.process_index() == 0:
+        with open(os.path.join(directory, _CONFIG), "w", encoding="utf-8") as f:
+            json.dump(_config_json(cfg), f, indent=1, default=str)
+
+
+def _check_config(directory: str, cfg: DecoderConfig | None) -> DecoderConfig | None:
+    """cfg, or the saved one; raises if they disagree on parameter shapes."""
+    saved = load_config(directory)
+    if cfg is None:
+        return saved
+    if saved is not None:
+        for name in _SHAPE_FIELDS:
+            a, b = _field(saved, name), _field(cfg, name)
+            if a != b:
+                raise ValueError(f"cfg: {name}={b!r} differs from the checkpoint's {a!r}")
+    return cfg
+
+
+def _expert_axis(cfg: DecoderConfig | None) -> str:
+    return cfg.moe.expert_axis if cfg is not None else "ep"
+
+
+def save_state(directory: str | os.PathLike, state: Any, cfg: DecoderConfig | None = None,
+               *, mesh: jax.sharding.Mesh | None = None, force: bool = False) -> str:
+    """Writes a training state (e.g. {"params", "opt_state", "step"} of
+    moe_jax.models.train_linen, or train_nnx.state_tree) to
+    `directory`/train_state and `cfg` next to it; returns the directory.
+
+    Leaves under the expert weights' names (w_gate, w_up, w_down: the weights
+    and the optimizer's moments of them) are laid out split over the expert
+    axis of `mesh` first, so each device writes its slice; the rest is
+    replicated. Under jax.distributed every process calls this.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    state = nn.meta.unbox(state)
+    if mesh is not None:
+        state = shard_params(state, mesh, _expert_axis(cfg))
+    os.makedirs(directory, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(directory, _STATE), state, force=force)
+        ckptr.wait_until_finished()
+    _write_config(directory, cfg)
+    return directory
+
+
+def restore_state(directory: str | os.PathLike, abstract_state: Any,
+                  cfg: DecoderConfig | None = None,
+                  mesh: jax.sharding.Mesh | None = None) -> Any:
+    """Reads a training state written by save_state, laid out for `mesh`
+    (any expert-parallel size: leaves under the expert weights' names split
+    over cfg.moe.expert_axis, the rest replicated; one device without a mesh).
+
+    abstract_state: the state's ShapeDtypeStructs (jax.eval_shape of the code
+    that builds it, e.g. train_linen.abstract_state); shardings are ignored.
+    Raises ValueError when there is no state or `cfg` disagrees with the
+    saved config on parameter shapes.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(os.path.join(directory, _STATE)):
+        raise ValueError(f"directory: no training state in {directory}")
+    cfg = _check_config(directory, cfg)
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract_state)
+    else:
+        shardings = param_shardings(abstract_state, mesh, _expert_axis(cfg))
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          abstract_state, shardings)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.join(directory, _STATE), target)
+
+
 def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = None,
                    mesh: jax.sharding.Mesh | None = None) -> Any:
     """Reads canonical params, laid out for `mesh` (any expert-parallel size).
@@ -156,16 +236,9 @@ def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = Non
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(os.path.join(directory, _PARAMS)):
         raise ValueError(f"directory: no checkpoint in {directory}")
-    saved = load_config(directory)
+    cfg = _check_config(directory, cfg)
     if cfg is None:
-        if saved is None:
-            raise ValueError("cfg: the checkpoint holds no config; pass one")
-        cfg = saved
-    elif saved is not None:
-        for name in _SHAPE_FIELDS:
-            a, b = _field(saved, name), _field(cfg, name)
-            if a != b:
-                raise ValueError(f"cfg: {name}={b!r} differs from the checkpoint's {a!r}")
+        raise ValueError("cfg: the checkpoint holds no config; pass one")
     path = os.path.join(directory, _PARAMS)
     target = abstract_params(cfg, mesh)
     with ocp.StandardCheckpointer() as ckptr:

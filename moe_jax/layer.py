@@ -174,7 +174,7 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
     expert_spec = ExpertWeights(P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
     delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
-    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * 6), delivered_spec)
+    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)), delivered_spec)
 
     def body(p, t):
         return _route_and_dispatch(p, t, config, ctx, return_delivered)

@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import custom_calls
+from moe_jax import custom_calls, nvlink_grad
+from moe_jax.fp8 import FP8_BLOCK, FP8_MAX, dequantize, quantize_e4m3  # noqa: F401 (re-exported)
 from moe_jax.plan import worst_case_rows_per_peer
 
 DISPATCH = "moe_jax_nvlink_dispatch"
@@ -68,8 +69,6 @@ COMBINE_RECV = "moe_jax_nvlink_combine_recv"
 DISPATCH_FP8 = "moe_jax_nvlink_dispatch_fp8"
 DISPATCH_RECV_FP8 = "moe_jax_nvlink_dispatch_recv_fp8"
 MAX_RANKS = 8
-FP8_BLOCK = 128
-FP8_MAX = 448.0
 
 
 class Dispatched(NamedTuple):
@@ -288,6 +287,68 @@ def combine_recv(channel: Channel, done, expert_ids, slot_pos, weights, *, axis_
                  (done, expert_ids, slot_pos, weights))
 
 
+def _dispatch_call(channel: Channel, x, expert_ids, *, axis_name: str) -> Dispatched:
+    """The fused dispatch custom call on `channel` (no gradient)."""
+    p, e_local = channel.num_ranks, channel.experts_per_rank
+    rows = channel.dispatched_types()
+    out_types = ((jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
+                  jax.ShapeDtypeStruct((p, e_local), jnp.int32)) + rows
+                 + (jax.ShapeDtypeStruct((e_local,), jnp.int32),
+                    jax.ShapeDtypeStruct((p, p, e_local), jnp.int32)))
+    target = DISPATCH_FP8 if channel.fp8 else DISPATCH
+    results = _call(target, channel, axis_name, out_types, (x, expert_ids),
+                    same_on_every_rank=(len(out_types) - 1,))
+    slot_pos, group_sizes, all_counts = results[0], results[-2], results[-1]
+    scales = results[3] if channel.fp8 else None
+    return Dispatched(results[2], group_sizes, all_counts, slot_pos, scales)
+
+
+def _combine_call(channel: Channel, y, all_counts, expert_ids, slot_pos, weights, *,
+                  axis_name: str):
+    """The fused combine custom call on `channel` (no gradient)."""
+    _check_y(channel, y)
+    _check_weights(expert_ids, weights)
+    out_type = jax.ShapeDtypeStruct((channel.tokens, channel.hidden), channel.dtype)
+    return _call(COMBINE, channel, axis_name, out_type,
+                 (y, all_counts, expert_ids, slot_pos, weights))
+
+
+class ChannelOps(NamedTuple):
+    """The fused calls of one expert group (nvlink_grad.CountAwareOps).
+
+    `channel` serves rows of its own width and dtype (and its dispatch
+    format); rows of another width or dtype (the backward's output gradient
+    of an fp8 channel, the float32 side rows of the weights) go through the
+    channel of the same group and (T, k, E_local) for that row format,
+    allocated like any other on first use.
+    """
+
+    channel: Channel
+    axis_name: str
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.channel.experts_per_rank
+
+    def _same_rows(self, rows) -> bool:
+        return rows.shape[1] == self.channel.hidden and rows.dtype == self.channel.dtype
+
+    def _other(self, rows, fp8: bool = False) -> Channel:
+        return self.channel._replace(hidden=int(rows.shape[1]), dtype=jnp.dtype(rows.dtype),
+                                     fp8=bool(fp8))
+
+    def dispatch(self, x, expert_ids, *, fp8: bool = False) -> Dispatched:
+        same = self._same_rows(x) and fp8 == self.channel.fp8
+        channel = self.channel if same else self._other(x, fp8)
+        return _dispatch_call(channel, x, expert_ids, axis_name=self.axis_name)
+
+    def combine(self, y, all_counts, expert_ids, slot_pos, weights):
+        # An fp8 channel combines rows of its token dtype: it serves those.
+        channel = self.channel if self._same_rows(y) else self._other(y)
+        return _combine_call(channel, y, all_counts, expert_ids, slot_pos, weights,
+                             axis_name=self.axis_name)
+
+
 def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
              mesh_devices, fp8: bool = False) -> tuple[Channel, Dispatched]:
     """Both halves of dispatch, inside `jax.shard_map` over `axis_name`.
@@ -299,52 +360,39 @@ def dispatch(x, expert_ids, *, experts_per_rank: int, axis_name: str,
       experts_per_rank: E_local (global expert e lives on rank e // E_local).
       mesh_devices: the mesh's devices in mesh order.
       fp8: send e4m3 rows with per-128 scales (bfloat16 x, H % 512 == 0).
-    Returns (channel, Dispatched). Graph-capturable.
+    Returns (channel, Dispatched). Graph-capturable. Differentiable in x
+    (moe_jax/nvlink_grad.py: the VJP combines the rows' gradients home with
+    unit weights) except with fp8, whose e4m3 rows have no gradient; use
+    `dispatch_dequantized` for a straight-through one.
     """
     channel = channel_for(x, expert_ids, experts_per_rank=experts_per_rank,
                           axis_name=axis_name, mesh_devices=mesh_devices, fp8=fp8)
-    p, e_local = channel.num_ranks, channel.experts_per_rank
-    rows = channel.dispatched_types()
-    out_types = ((jax.ShapeDtypeStruct(expert_ids.shape, jnp.int32),
-                  jax.ShapeDtypeStruct((p, e_local), jnp.int32)) + rows
-                 + (jax.ShapeDtypeStruct((e_local,), jnp.int32),
-                    jax.ShapeDtypeStruct((p, p, e_local), jnp.int32)))
-    target = DISPATCH_FP8 if fp8 else DISPATCH
-    results = _call(target, channel, axis_name, out_types, (x, expert_ids),
-                    same_on_every_rank=(len(out_types) - 1,))
-    slot_pos, group_sizes, all_counts = results[0], results[-2], results[-1]
-    scales = results[3] if fp8 else None
-    return channel, Dispatched(results[2], group_sizes, all_counts, slot_pos, scales)
+    if fp8:
+        return channel, _dispatch_call(channel, x, expert_ids, axis_name=axis_name)
+    return channel, nvlink_grad.dispatch(ChannelOps(channel, axis_name), x, expert_ids)
 
 
-def quantize_e4m3(x):
-    """Reference of the fp8 dispatch format: x [..., H] (H % 128 == 0) ->
-    (values [..., H] float8_e4m3fn, scales [..., H / 128] float32).
-
-    Bit-exact with the CUDA quantizer when run on the CPU backend; XLA's GPU
-    backend may round the float32 -> e4m3 conversion differently."""
-    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, FP8_BLOCK)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    nonzero = amax > 0
-    safe = jnp.where(nonzero, amax, jnp.float32(1))
-    inverse = jnp.where(nonzero, jnp.float32(FP8_MAX) / safe, jnp.float32(1))
-    scales = jnp.where(nonzero, safe * jnp.float32(1 / FP8_MAX), jnp.float32(1))
-    values = (blocks * inverse[..., None]).astype(jnp.float8_e4m3fn)
-    return values.reshape(x.shape), scales
-
-
-def dequantize(rows, scales, dtype=jnp.bfloat16):
-    """fp8 rows [N, H] and scales [N, H / 128] -> [N, H] values (float32
-    products rounded once to `dtype`)."""
-    blocks = rows.astype(jnp.float32).reshape(rows.shape[0], -1, FP8_BLOCK)
-    return (blocks * scales[..., None]).reshape(rows.shape).astype(dtype)
+def dispatch_dequantized(x, expert_ids, *, experts_per_rank: int, axis_name: str,
+                         mesh_devices, fp8: bool = False) -> tuple[Channel, Dispatched]:
+    """`dispatch` whose rows come back in x's dtype: with fp8 dequantized
+    (`dequantize`), scales None. Differentiable in x; with fp8 the gradient
+    passes the quantization as the identity (straight-through).
+    Graph-capturable."""
+    channel = channel_for(x, expert_ids, experts_per_rank=experts_per_rank,
+                          axis_name=axis_name, mesh_devices=mesh_devices, fp8=fp8)
+    return channel, nvlink_grad.dispatch(ChannelOps(channel, axis_name), x, expert_ids, fp8=fp8)
 
 
 def combine(channel: Channel, y, dispatched: Dispatched, expert_ids, weights, *,
             axis_name: str):
-    """Both halves of combine: [T, H] in the dispatched dtype. Graph-capturable."""
+    """Both halves of combine: [T, H] in the dispatched dtype. Graph-capturable.
+
+    Differentiable in y and weights (moe_jax/nvlink_grad.py): the backward
+    dispatches the output gradient (and each token's weights and ids as a
+    float32 side row) to the rows' ranks, and combines the weights'
+    gradients home.
+    """
     _check_y(channel, y)
     _check_weights(expert_ids, weights)
-    out_type = jax.ShapeDtypeStruct((channel.tokens, channel.hidden), channel.dtype)
-    return _call(COMBINE, channel, axis_name, out_type,
-                 (y, dispatched.all_counts, expert_ids, dispatched.slot_pos, weights))
+    return nvlink_grad.combine(ChannelOps(channel, axis_name), y, dispatched, expert_ids,
+                               weights)

@@ -46,9 +46,12 @@ def grouped_matmul(x, w, group_sizes=None, *, impl: str = "custom_call",
     rows, of the other groups' sizes, and of whether the call runs under jit,
     inside shard_map or inside a CUDA graph. The float32 sums run over k in
     increasing order (on CUDA with bfloat16 inputs, in tensor-core steps of
-    16 in increasing order). Graph-capturable on CUDA: one kernel launch whose
-    shape depends on (M, G, N) only, no allocation, no synchronization;
-    group_sizes is read on the device.
+    16 in increasing order: on Hopper GPUs, with K and N multiples of 8, the
+    CUTLASS grouped GEMM of moe_jax.ops.grouped_matmul, else this module's
+    kernel). Graph-capturable on CUDA: the launches' shapes depend on
+    (M, G, N) only, no allocation, no synchronization; group_sizes is read on
+    the device. Differentiable: the gradients are lax.ragged_dot's transposes
+    (the CUTLASS kernels' own on the CUTLASS path).
     """
     _check(impl in IMPLS, ROW_MATMUL, "impl", f"must be one of {IMPLS}, got {impl!r}")
     _check(x.ndim == 2 and x.dtype in INPUT_DTYPES, ROW_MATMUL, "x",
@@ -61,10 +64,33 @@ def grouped_matmul(x, w, group_sizes=None, *, impl: str = "custom_call",
     group_sizes = _group_sizes_or_all_rows(group_sizes, num_groups, num_rows)
     if impl == "reference":
         return _reference(x, w, group_sizes)
+    from moe_jax.ops import grouped_matmul as gmm  # noqa: PLC0415 (it imports this module)
+    if gmm.cutlass_applies(x.dtype, depth, cols, platform):
+        return gmm.grouped_matmul(x, w, group_sizes, out_dtype=jnp.float32, impl="cutlass",
+                                  platform=platform)
     _require_handlers(ROW_MATMUL, platform)
-    out_type = jax.ShapeDtypeStruct((num_rows, cols), jnp.float32)
+    return _row_matmul(x, w, group_sizes)
+
+
+@jax.custom_vjp
+def _row_matmul(x, w, group_sizes):
+    out_type = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
     return _call_ffi(ROW_MATMUL, out_type, (x, w, group_sizes), {},
                      vmap_method="sequential")
+
+
+def _row_matmul_fwd(x, w, group_sizes):
+    return _row_matmul(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _row_matmul_bwd(residuals, dy):
+    x, w, group_sizes = residuals
+    _, pullback = jax.vjp(lambda a, b: _reference(a, b, group_sizes), x, w)
+    dx, dw = pullback(dy.astype(jnp.float32))
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_row_matmul.defvjp(_row_matmul_fwd, _row_matmul_bwd)
 
 
 def matmul(x, w, *, impl: str = "custom_call", platform: str | None = None) -> jax.Array:

@@ -14,6 +14,9 @@ from moe_jax.dispatch import DispatchContext, dispatch_combine
 
 ROUTINGS = ("random", "one_expert", "empty_rank", "one_rank", "zipf")
 
+# The expert matmuls the gradient tests run with (both differentiable).
+GRAD_MATMULS = ("xla", "row_invariant")
+
 
 def make_routing(rng: np.random.Generator, tokens: int, num_experts: int, top_k: int,
                  kind: str, experts_per_rank: int) -> np.ndarray:
@@ -54,8 +57,10 @@ def random_case(seed: int, ranks: int, tokens_per_rank: int, num_experts: int, t
     return jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(w)
 
 
-def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32):
-    return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype)
+def expert_fn(weights: mj.ExpertWeights, dtype=jnp.float32, matmul: str = "xla"):
+    """SwiGLU experts; matmul="row_invariant" makes every output row's bits
+    independent of the other rows (then every strategy's output is dense's)."""
+    return lambda rows, sizes: mj.swiglu_grouped(rows, sizes, weights, dtype, matmul)
 
 
 def needs_gpus(count: int) -> None:
@@ -77,15 +82,15 @@ def mesh_of(ranks: int, backend: str = "cpu", data: int = 1) -> jax.sharding.Mes
 
 @functools.lru_cache(maxsize=None)
 def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
-                     compute_dtype, backend, data):
+                     compute_dtype, backend, data, matmul):
     mesh = mesh_of(ranks, backend, data)
     data_axes = ("data",) if data > 1 else ()
     ctx = DispatchContext("ep", ranks, transport, impl, "cpu" if backend == "cpu" else "gpu",
                           tuple(mesh.devices.flat), data_axes=data_axes, data_ranks=data)
 
     def body(x, ids, w, w_gate_up, w_down):
-        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(w_gate_up, w_down),
-                                                    compute_dtype),
+        experts = expert_fn(mj.ExpertWeights(w_gate_up, w_down), compute_dtype, matmul)
+        res = dispatch_combine(x, ids, w, experts,
                                strategy=strategy, ctx=ctx, experts_per_rank=experts_per_rank,
                                capacity=capacity, spill_capacity=spill, return_delivered=True)
         stats = jax.tree.map(lambda s: s[None], res.stats) if data > 1 else res.stats
@@ -96,13 +101,13 @@ def _strategy_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, t
     experts_spec = P("ep")
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3 + (experts_spec,) * 2,
                                out_specs=(spec, spec, spec,
-                                          mj.DispatchStats(*(stats_spec,) * 6))))
+                                          mj.DispatchStats(*(stats_spec,) * len(mj.DispatchStats._fields)))))
     return mesh, fn, spec
 
 
 def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capacity=None,
                  spill=None, impl="custom_call", transport="lax", compute_dtype=jnp.float32,
-                 backend="cpu", data=1):
+                 backend="cpu", data=1, matmul="xla"):
     """Runs a strategy under shard_map over `ranks` CPU devices, or over
     `data` groups of `ranks` (a ("data", "ep") mesh: tokens split over both
     axes, data-major; experts over "ep").
@@ -112,7 +117,8 @@ def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capac
     """
     num_experts = experts.num_experts
     mesh, fn, spec = _strategy_runner(strategy, ranks, num_experts // ranks, capacity, spill,
-                                      impl, transport, jnp.dtype(compute_dtype), backend, data)
+                                      impl, transport, jnp.dtype(compute_dtype), backend, data,
+                                      matmul)
     tokens = NamedSharding(mesh, spec)
     weights = NamedSharding(mesh, P("ep"))
     args = ([jax.device_put(a, tokens) for a in (x, ids, w)]
@@ -124,13 +130,13 @@ def run_strategy(strategy, x, ids, w, experts: mj.ExpertWeights, ranks, *, capac
 
 
 @functools.lru_cache(maxsize=None)
-def _dense_runner(num_experts, impl, compute_dtype):
+def _dense_runner(num_experts, impl, compute_dtype, matmul):
     """The reference runs on CPU whatever the host has."""
     ctx = DispatchContext(None, 1, "lax", impl, "cpu")
 
     def run(x, ids, w, w_gate_up, w_down):
-        res = dispatch_combine(x, ids, w, expert_fn(mj.ExpertWeights(w_gate_up, w_down),
-                                                    compute_dtype),
+        experts = expert_fn(mj.ExpertWeights(w_gate_up, w_down), compute_dtype, matmul)
+        res = dispatch_combine(x, ids, w, experts,
                                strategy="dense", ctx=ctx, experts_per_rank=num_experts,
                                return_delivered=True)
         return res.out, res.delivered.rows, res.delivered.group_sizes
@@ -139,9 +145,9 @@ def _dense_runner(num_experts, impl, compute_dtype):
 
 
 def run_dense(x, ids, w, experts: mj.ExpertWeights, *, impl="reference",
-              compute_dtype=jnp.float32):
+              compute_dtype=jnp.float32, matmul="xla"):
     """The reference: (out [T, H], rows [T*k, H] expert-major, group sizes [E])."""
-    fn = _dense_runner(experts.num_experts, impl, jnp.dtype(compute_dtype))
+    fn = _dense_runner(experts.num_experts, impl, jnp.dtype(compute_dtype), matmul)
     cpu = jax.devices("cpu")[0]
     out, rows, sizes = fn(*jax.device_put((x, ids, w, *experts), cpu))
     return np.asarray(out), np.asarray(rows), np.asarray(sizes)
@@ -178,3 +184,69 @@ def rel_error(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rowwise_experts(scales: jax.Array):
+    """Expert e maps a row to tanh(row) * scales[e]: every output row (and
+    its gradient) is a function of that row alone, bitwise."""
+    def fn(rows, group_sizes):
+        expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                            total_repeat_length=rows.shape[0])
+        return (jnp.tanh(rows.astype(jnp.float32))
+                * scales[expert].astype(jnp.float32)).astype(rows.dtype)
+    return fn
+
+
+def _experts_of(kind: str, params, matmul: str):
+    if kind == "rowwise":
+        return rowwise_experts(params)
+    return expert_fn(mj.ExpertWeights(*params), jnp.float32, matmul)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport, kind,
+                 matmul, backend):
+    dense = strategy == "dense"
+    mesh = None if dense else mesh_of(ranks, backend)
+    platform = "cpu" if backend == "cpu" else "gpu"
+    if dense:
+        ctx = DispatchContext(None, 1, "lax", impl, platform)
+    else:
+        ctx = DispatchContext("ep", ranks, transport, impl, platform, tuple(mesh.devices.flat))
+
+    def body(x, ids, w, params):
+        res = dispatch_combine(x, ids, w, _experts_of(kind, params, matmul), strategy=strategy,
+                               ctx=ctx, experts_per_rank=experts_per_rank, capacity=capacity,
+                               spill_capacity=spill)
+        return res.out, (res.stats.dropped_rows, res.stats.fallback_steps)
+
+    if not dense:
+        spec = P("ep")
+        body = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4,
+                             out_specs=(spec, (P(), P())))
+
+    def loss(x, w, params, ids, ct):
+        out, counts = body(x, ids, w, params)
+        return jnp.sum(out.astype(jnp.float32) * ct), (out, counts)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def strategy_grads(strategy, x, ids, w, params, ranks, *, capacity=None, spill=None,
+                   impl="custom_call", transport="lax", kind="rowwise", matmul="xla",
+                   backend="cpu", seed=0):
+    """Gradients of sum(out * ct) (ct random, fixed by seed) through
+    dispatch_combine on `ranks` devices of `backend` ("dense": one rank).
+
+    params: [E, H] scales (kind "rowwise", see rowwise_experts) or the three
+    SwiGLU weights (kind "swiglu"). Returns (out [T, H], stats.dropped_rows,
+    dx, dw, dparams, stats.fallback_steps) as numpy / ints.
+    """
+    num_experts = jax.tree.leaves(params)[0].shape[0]
+    experts_per_rank = num_experts if strategy == "dense" else num_experts // ranks
+    ct = jax.random.normal(jax.random.key(seed), x.shape, jnp.float32)
+    fn = _grad_runner(strategy, ranks, experts_per_rank, capacity, spill, impl, transport,
+                      kind, matmul, backend)
+    (_, (out, (dropped, fallback))), (dx, dw, dparams) = fn(x, w, params, ids, ct)
+    return (np.asarray(out), int(dropped), np.asarray(dx), np.asarray(dw),
+            jax.tree.map(np.asarray, dparams), int(fallback))

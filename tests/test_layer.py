@@ -39,16 +39,25 @@ def test_layer_output_matches_float32_reference(ranks, strategy):
     assert np.isfinite(float(aux.load_balance_loss)) and float(aux.load_balance_loss) >= 1.0 - 1e-5
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks, top_k", [(2, 2), (4, 2), (4, 1), (4, 3), (2, 4), (4, 8)])
 @pytest.mark.parametrize("strategy", ["max_counts", "cap_and_spill", "ragged"])
-def test_row_invariant_matmul_gives_every_strategy_the_dense_bits(ranks, strategy):
-    config = CONFIG.replace(strategy=strategy, matmul="row_invariant")
+def test_row_invariant_matmul_gives_every_strategy_the_dense_bits(ranks, top_k, strategy):
+    """C + S is half the mean stream: at top-k >= 2 cap-and-spill spills and
+    falls back, and many tokens' picks travel in different passes."""
+    tokens_per_rank = 32
+    capacity = max(1, tokens_per_rank * top_k // (3 * ranks))
+    config = CONFIG.replace(strategy=strategy, matmul="row_invariant", top_k=top_k,
+                            capacity=capacity, spill_capacity=capacity // 2,
+                            dtype=jnp.float32)   # bfloat16 outputs would hide last bits
     params = init_moe_params(jax.random.key(5), config)
-    x = jax.random.normal(jax.random.key(6 + ranks), (4, 8 * ranks, CONFIG.hidden_size))
+    x = jax.random.normal(jax.random.key(6 + ranks + 10 * top_k),
+                          (4, tokens_per_rank * ranks // 4, CONFIG.hidden_size))
     dense = config.replace(strategy="dense")
     want = jax.jit(lambda p, x: moe_layer(p, x, dense)[0])(params, x)
-    got = jax.jit(lambda p, x: moe_layer(p, x, config, _mesh(ranks))[0])(params, x)
+    got, aux = jax.jit(lambda p, x: moe_layer(p, x, config, _mesh(ranks)))(params, x)
     np.testing.assert_array_equal(bits(got), bits(want))
+    if strategy == "cap_and_spill" and top_k >= 2:
+        assert int(aux.stats.fallback_steps) == 1
 
 
 def test_sigmoid_grouped_router_layer():

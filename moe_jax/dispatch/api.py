@@ -60,7 +60,12 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
 
     Args:
       x: [T, H] this rank's tokens (float32, bfloat16 or float16).
-      expert_ids: [T, k] int32 global expert ids (distinct per token).
+      expert_ids: [T, k] integer global expert ids, distinct per token, in
+        [0, P * experts_per_rank). A pick that breaks this (an id out of
+        range, negative, or repeating an earlier pick of its token) is
+        dropped on every strategy and transport alike: it moves nowhere,
+        adds nothing to its token's output (nor any gradient) and is
+        counted in stats.dropped_rows.
       weights: [T, k] float32 combine weights.
       expert_fn: applies this rank's experts to rows grouped by local expert.
       strategy: "dense", "max_counts", "cap_and_spill" or "ragged".

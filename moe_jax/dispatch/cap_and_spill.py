@@ -6,6 +6,13 @@ when C and S come from calibration) are finished by a third pass under
 rank all-gathered, so every rank takes the same branch and the collectives
 inside stay matched. On GPU, XLA reads that predicate on the host
 (docs/design/cap_and_spill_fallback.md).
+
+The combine runs once, after every pass: inside the fallback branch over
+both returned windows (positions [0, C + S) and [C + S, worst)), in the
+other branch over the first alone. A token's picks are thus summed in pick
+order in one float32 accumulation, whichever pass moved each of them, so the
+output has `dense`'s bits at any top-k (adding the fallback's partial sum to
+pass 1's would round a token's sum in another order).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.dispatch.context import DispatchContext
-from moe_jax.dispatch.passes import merge_delivered, window_pass
+from moe_jax.dispatch.passes import combine_windows, exchange_window, merge_delivered
 from moe_jax.dispatch.stats import stream_stats
 from moe_jax.plan import worst_case_rows_per_peer
 
@@ -29,13 +36,13 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
     worst = worst_case_rows_per_peer(x.shape[0], plan.top_k, plan.experts_per_rank)
     cap = min(capacity, worst)
     spill = min(spill_capacity, worst - cap)
-    out, delivered = window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
-                                 start=0, capacity=cap, spill_capacity=spill,
-                                 delivered_rows=delivered_rows)
-    stats = stream_stats(peer_counts, cap, spill)
+    returned, delivered = exchange_window(x, plan, recv_expert_counts, ctx, expert_fn,
+                                          start=0, capacity=cap, spill_capacity=spill,
+                                          delivered_rows=delivered_rows)
+    stats = stream_stats(peer_counts, cap, spill, num_slots=plan.num_slots * ctx.num_ranks)
     residual = worst - cap - spill
     if residual == 0 or _measure_without_fallback:
-        return out, stats, delivered
+        return combine_windows(returned, None, weights, plan, ctx, start=0), stats, delivered
 
     chain = ctx.chain_state()
     # The NCCL custom call does not run inside a captured conditional (XLA
@@ -44,17 +51,19 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
 
     def fallback(_):
         ctx.restore_chain(chain)
-        return window_pass(x, weights, plan, recv_expert_counts, fallback_ctx, expert_fn,
-                           start=cap + spill, capacity=residual,
-                           delivered_rows=delivered_rows)
+        more, more_delivered = exchange_window(
+            x, plan, recv_expert_counts, fallback_ctx, expert_fn, start=cap + spill,
+            capacity=residual, delivered_rows=delivered_rows)
+        out = combine_windows(returned, more, weights, plan, ctx, start=0)
+        return out, more_delivered
 
     def skip(_):
-        zero = jnp.zeros_like(out)
+        out = combine_windows(returned, None, weights, plan, ctx, start=0)
         if delivered_rows is None:
-            return zero, None
-        return zero, jax.tree.map(jnp.zeros_like, delivered)
+            return out, None
+        return out, jax.tree.map(jnp.zeros_like, delivered)
 
-    extra, extra_delivered = jax.lax.cond(stats.fallback_steps > 0, fallback, skip, None)
+    out, extra_delivered = jax.lax.cond(stats.fallback_steps > 0, fallback, skip, None)
     ctx.restore_chain(chain)
-    extra = ctx.chain_after(extra)
-    return out + extra, stats, merge_delivered(delivered, extra_delivered)
+    out = ctx.chain_after(out)
+    return out, stats, merge_delivered(delivered, extra_delivered)

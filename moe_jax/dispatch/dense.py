@@ -15,4 +15,4 @@ def dense(x, weights, plan, ctx: DispatchContext, expert_fn, *, peer_counts,
     num_slots = plan.sorted_slots.shape[0]
     out, delivered = window_pass(x, weights, plan, plan.send_expert_counts, ctx, expert_fn,
                                  start=0, capacity=num_slots, delivered_rows=delivered_rows)
-    return out, stream_stats(peer_counts), delivered
+    return out, stream_stats(peer_counts, num_slots=num_slots), delivered

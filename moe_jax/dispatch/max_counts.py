@@ -14,4 +14,4 @@ def max_counts(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert
     worst = worst_case_rows_per_peer(x.shape[0], plan.top_k, plan.experts_per_rank)
     out, delivered = window_pass(x, weights, plan, recv_expert_counts, ctx, expert_fn,
                                  start=0, capacity=worst, delivered_rows=delivered_rows)
-    return out, stream_stats(peer_counts), delivered
+    return out, stream_stats(peer_counts, num_slots=plan.num_slots * ctx.num_ranks), delivered

@@ -109,26 +109,42 @@ def return_window(out_rows: jax.Array, weights: jax.Array, plan: DispatchPlan,
     out_rows: [P, W, H] expert outputs in the layout send_window delivered.
     Returns the partial output [T, H] float32 of the picks in this pass.
     """
-    returned = ctx.all_to_all(out_rows)
-    none = jnp.zeros((out_rows.shape[0], 0) + out_rows.shape[2:], out_rows.dtype)
-    return ctx.combine(returned, none, plan.dest, plan.pos, weights, start=start,
+    return combine_windows(ctx.all_to_all(out_rows), None, weights, plan, ctx, start=start)
+
+
+def combine_windows(returned: jax.Array, more: jax.Array | None, weights: jax.Array,
+                    plan: DispatchPlan, ctx: DispatchContext, *, start: int) -> jax.Array:
+    """The weighted merge of one or two returned windows, in one call.
+
+    returned: [P, W, H] expert outputs of stream positions [start, start + W)
+      back at their source; more: [P, W2, H] those of the next W2 positions
+      (None for none).
+    Returns [T, H] float32: every token's picks inside the windows summed in
+    pick order (float32, multiply and add rounded separately), the others
+    adding nothing. One call over all windows keeps the order of a token's
+    sum that of `dense`, whichever windows its picks travelled in.
+    """
+    if more is None:
+        more = jnp.zeros((returned.shape[0], 0) + returned.shape[2:], returned.dtype)
+    return ctx.combine(returned, more, plan.dest, plan.pos, weights, start=start,
                        out_dtype=jnp.float32)
 
 
-def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
-                recv_expert_counts: jax.Array, ctx: DispatchContext, expert_fn: ExpertFn, *,
-                start: int, capacity: int, spill_capacity: int = 0,
-                delivered_rows: int | None = None):
-    """One exchange of stream positions [start, start + capacity + spill_capacity).
+def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Array,
+                    ctx: DispatchContext, expert_fn: ExpertFn, *, start: int, capacity: int,
+                    spill_capacity: int = 0, delivered_rows: int | None = None):
+    """Moves stream positions [start, start + W), W = capacity + spill_capacity,
+    to the experts and their outputs back, without combining them.
 
     Args:
-      x: [T, H] tokens; weights: [T, k] float32 combine weights.
+      x: [T, H] tokens.
       recv_expert_counts: [P, E_local] int32 rows each source sends to each
         of this rank's experts (from the counts exchange).
       delivered_rows: if given, also return a Delivered view of that size.
     Returns:
-      (partial output [T, H] float32 holding the picks this pass moved,
-       Delivered or None).
+      (returned [P, W, H] in x's dtype: row (p, c) is the expert output of
+       this rank's stream position start + c to rank p, zero past the
+       stream's end; Delivered or None).
     """
     num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
     rows = send_window(x, plan, ctx, start=start, capacity=capacity,
@@ -139,8 +155,26 @@ def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
     local, canonical = locate_rows(src, q, recv_expert_counts)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
     out_rows = run_experts(flat, local, num_local, expert_fn).reshape(rows.shape)
-    partial = return_window(out_rows, weights, plan, ctx, start=start)
     delivered = None
     if delivered_rows is not None:
         delivered = deliver(flat, canonical, recv_expert_counts, delivered_rows)
-    return partial, delivered
+    return ctx.all_to_all(out_rows), delivered
+
+
+def window_pass(x: jax.Array, weights: jax.Array, plan: DispatchPlan,
+                recv_expert_counts: jax.Array, ctx: DispatchContext, expert_fn: ExpertFn, *,
+                start: int, capacity: int, spill_capacity: int = 0,
+                delivered_rows: int | None = None):
+    """One exchange of stream positions [start, start + capacity + spill_capacity),
+    combined.
+
+    Args: as exchange_window; weights: [T, k] float32 combine weights.
+    Returns:
+      (partial output [T, H] float32 holding the picks this pass moved,
+       Delivered or None).
+    """
+    returned, delivered = exchange_window(x, plan, recv_expert_counts, ctx, expert_fn,
+                                          start=start, capacity=capacity,
+                                          spill_capacity=spill_capacity,
+                                          delivered_rows=delivered_rows)
+    return combine_windows(returned, None, weights, plan, ctx, start=start), delivered

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from moe_jax.dispatch.context import DispatchContext
 from moe_jax.dispatch.passes import deliver, locate_rows, run_experts
 from moe_jax.dispatch.stats import stream_stats
-from moe_jax.plan import exclusive_cumsum, worst_case_rows_per_peer
+from moe_jax.plan import DROPPED_POS, exclusive_cumsum, worst_case_rows_per_peer
 
 
 def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_counts,
@@ -19,8 +19,8 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
     num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
     num_slots = plan.sorted_slots.shape[0]
     recv_rows = num_ranks * worst_case_rows_per_peer(x.shape[0], plan.top_k, num_local)
-    # All slots in stream order: a one-destination pack of the whole stream.
-    whole = jnp.full((1,), num_slots, jnp.int32)
+    # All kept slots in stream order: a one-destination pack of the whole stream.
+    whole = jnp.sum(plan.send_counts, keepdims=True).astype(jnp.int32)
     send, no_spill = ctx.pack(x, plan.sorted_slots, jnp.zeros((1,), jnp.int32), whole,
                               top_k=plan.top_k, start=0, capacity=num_slots, spill_capacity=0)
     recv_counts = jnp.sum(recv_expert_counts, axis=1).astype(jnp.int32)
@@ -35,10 +35,11 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
     out_rows = run_experts(rows, local, num_local, expert_fn)
     back, _ = ctx.ragged_all_to_all(out_rows, recv_offsets, recv_counts, plan.send_offsets,
                                     num_slots)
-    stream_pos = plan.send_offsets[plan.dest] + plan.pos
+    stream_pos = jnp.where(plan.pos == DROPPED_POS, DROPPED_POS,
+                           plan.send_offsets[plan.dest] + plan.pos)
     out = ctx.combine(back[None], no_spill, jnp.zeros_like(plan.dest), stream_pos, weights,
                       start=0, out_dtype=jnp.float32)
     delivered = None
     if delivered_rows is not None:
         delivered = deliver(rows, canonical, recv_expert_counts, delivered_rows)
-    return out, stream_stats(peer_counts), delivered
+    return out, stream_stats(peer_counts, num_slots=num_slots * num_ranks), delivered

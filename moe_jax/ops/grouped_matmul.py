@@ -13,9 +13,10 @@ Implementations (`impl`):
     configuration is fixed per op and dtype (never chosen from M or the
     group sizes) and K is never split, so each output row's bits depend
     only on its input row and its group's weights. Graph-capturable.
-  "row_invariant": a row-invariant matmul on every platform: "cutlass"
-    where it applies, else `moe_jax_row_matmul` (moe_jax.row_invariant: the
-    CPU handler, or the CUDA kernel for float32 and non-Hopper GPUs).
+  "row_invariant": a row-invariant matmul on every platform:
+    `moe_jax.row_invariant.grouped_matmul` ("cutlass" where it applies, else
+    the `moe_jax_row_matmul` custom call: the CPU handler, or the CUDA
+    kernel for float32, unaligned shapes and non-Hopper GPUs).
   "xla": `jax.lax.ragged_dot` (on GPU, jaxlib 0.11.2 lowers it to a dense
     matmul over every group; not row-invariant).
   "auto": "cutlass" where it applies (GPU platform with a Hopper GPU,
@@ -36,6 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moe_jax import row_invariant
 from moe_jax.custom_calls import _call_ffi, _check, _require_handlers, available_platforms
 
 GROUPED_MATMUL = "moe_jax_grouped_matmul"
@@ -156,7 +158,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
                "out_dtype", f"must be float32 or x's dtype for impl='cutlass', got {out_dtype}")
         return _cutlass_matmul(x, w, group_sizes, out_dtype)
     if which == "row_matmul":
-        return _row_matmul(x, w, group_sizes, platform).astype(out_dtype)
+        return row_invariant.grouped_matmul(x, w, group_sizes,
+                                            platform=platform).astype(out_dtype)
     return _ragged_dot(x, w, group_sizes).astype(out_dtype)
 
 
@@ -183,7 +186,7 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
     if which == "cutlass":
         which = "xla"
     if which == "row_matmul":
-        h = _row_matmul(x, w_gate_up, group_sizes, platform)
+        h = row_invariant.grouped_matmul(x, w_gate_up, group_sizes, platform=platform)
     elif which == "cutlass":
         h = _cutlass_matmul(x, w_gate_up, group_sizes, jnp.dtype(jnp.float32))
     else:
@@ -206,28 +209,6 @@ def _ragged_dot(x, w, group_sizes):
                              preferred_element_type=jnp.float32)
     inside = jnp.arange(num_rows, dtype=jnp.int32) < ends[-1]
     return jnp.where(inside[:, None], out, jnp.float32(0))
-
-
-# --- moe_jax_row_matmul ----------------------------------------------------
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _row_matmul(x, w, group_sizes, platform):
-    from moe_jax import row_invariant
-    return row_invariant.grouped_matmul(x, w, group_sizes, platform=platform)
-
-
-def _row_matmul_fwd(x, w, group_sizes, platform):
-    return _row_matmul(x, w, group_sizes, platform), (x, w, group_sizes)
-
-
-def _row_matmul_bwd(platform, residuals, dy):
-    x, w, group_sizes = residuals
-    _, pullback = jax.vjp(lambda a, b: _ragged_dot(a, b, group_sizes), x, w)
-    dx, dw = pullback(dy.astype(jnp.float32))
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
-
-
-_row_matmul.defvjp(_row_matmul_fwd, _row_matmul_bwd)
 
 
 # --- moe_jax_grouped_matmul (CUTLASS) --------------------------------------

@@ -101,14 +101,14 @@ std::string LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) 
   int device = 0, sm_count = 0;
   if (std::string err = ReadDevice(&device, &sm_count); !err.empty()) return err;
   if (std::string err = GroupedGemmDeviceError(); !err.empty()) return err;
-  const bool forward =
-      args.op == GroupedGemmOp::kForward || args.op == GroupedGemmOp::kForwardSwiGLU;
-  if (args.in_type == GemmElem::kBF16) {
-    return forward ? grouped_gemm::RunForwardBF16(args, stream, device, sm_count)
-                   : grouped_gemm::RunBackwardBF16(args, stream, device, sm_count);
-  }
-  return forward ? grouped_gemm::RunForwardF16(args, stream, device, sm_count)
-                 : grouped_gemm::RunBackwardF16(args, stream, device, sm_count);
+  const bool backward =
+      args.op == GroupedGemmOp::kTransposedB || args.op == GroupedGemmOp::kWeightGrad;
+  using grouped_gemm::KernelsFor;
+  const grouped_gemm::RunFn run =
+      args.in_type == GemmElem::kBF16
+          ? (backward ? KernelsFor<GemmElem::kBF16, true>() : KernelsFor<GemmElem::kBF16, false>())
+          : (backward ? KernelsFor<GemmElem::kF16, true>() : KernelsFor<GemmElem::kF16, false>());
+  return run(args, stream, device, sm_count);
 }
 
 }  // namespace moe_jax::cuda

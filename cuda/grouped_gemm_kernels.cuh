@@ -1,5 +1,5 @@
-// The per-dtype entry points the grouped_gemm_*.cu translation units
-// define (one dtype each, so they compile in parallel).
+// The kernels' entry points, one per input dtype and half, each defined by a
+// compilation of grouped_gemm_instance.cu.
 #ifndef MOE_JAX_CUDA_GROUPED_GEMM_KERNELS_CUH_
 #define MOE_JAX_CUDA_GROUPED_GEMM_KERNELS_CUH_
 
@@ -11,16 +11,13 @@
 
 namespace moe_jax::cuda::grouped_gemm {
 
-// kForward and kForwardSwiGLU.
-std::string RunForwardBF16(const GroupedGemmArgs& args, cudaStream_t stream, int device,
-                           int sm_count);
-std::string RunForwardF16(const GroupedGemmArgs& args, cudaStream_t stream, int device,
-                          int sm_count);
-// kTransposedB and kWeightGrad.
-std::string RunBackwardBF16(const GroupedGemmArgs& args, cudaStream_t stream, int device,
-                            int sm_count);
-std::string RunBackwardF16(const GroupedGemmArgs& args, cudaStream_t stream, int device,
-                           int sm_count);
+using RunFn = std::string (*)(const GroupedGemmArgs& args, cudaStream_t stream, int device,
+                              int sm_count);
+
+// kBackward false: kForward and kForwardSwiGLU; true: kTransposedB and
+// kWeightGrad. kIn: kBF16 or kF16.
+template <GemmElem kIn, bool kBackward>
+RunFn KernelsFor();
 
 }  // namespace moe_jax::cuda::grouped_gemm
 

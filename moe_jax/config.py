@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 import jax.numpy as jnp
 import numpy as np
 
 Strategy = Literal["dense", "max_counts", "cap_and_spill", "ragged"]
-Transport = Literal["lax", "custom_call", "ragged"]
+Transport = Literal["lax", "custom_call", "nvlink"]
+Matmul = Literal["auto", "cutlass", "row_invariant", "xla"]
 KernelImpl = Literal["custom_call", "reference"]
 RouterKind = Literal["softmax", "sigmoid_grouped"]
 
-STRATEGIES = ("dense", "max_counts", "cap_and_spill", "ragged")
-TRANSPORTS = ("lax", "custom_call", "nvlink")
-KERNEL_IMPLS = ("custom_call", "reference")
-ROUTERS = ("softmax", "sigmoid_grouped")
-MATMULS = ("auto", "cutlass", "row_invariant", "xla")
+STRATEGIES = get_args(Strategy)
+TRANSPORTS = get_args(Transport)
+KERNEL_IMPLS = get_args(KernelImpl)
+ROUTERS = get_args(RouterKind)
+MATMULS = get_args(Matmul)
 
 
 def _require(cond: bool, argument: str, message: str) -> None:

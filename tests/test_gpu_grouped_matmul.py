@@ -8,8 +8,6 @@ the results of replays of one compiled call; the graph test runs it with and
 without command buffers and compares the bits.
 """
 
-import os
-import subprocess
 import sys
 
 import jax
@@ -20,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import moe_jax as mj
 from moe_jax.ops import grouped_matmul as gmm
+from graph_testing import assert_replays_match_without_graphs
 from moe_testing import bits
 from row_invariant_testing import group_rows
 
@@ -199,27 +198,10 @@ def test_moe_layer_strategies_are_bitwise_equal_on_one_gpu():
     assert rel < 1e-2
 
 
-GRAPH_FLAGS = {
-    "graphs": "--xla_gpu_graph_min_graph_size=1 "
-              "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
-    "no_graphs": "--xla_gpu_enable_command_buffer=",
-}
-
-
 def test_cuda_graph_replays_with_changing_group_sizes(tmp_path):
     """One compiled call replayed with other inputs and group sizes: the same
     bits with command buffers on as with them off."""
-    saved = {}
-    for mode, flags in GRAPH_FLAGS.items():
-        path = str(tmp_path / f"{mode}.npz")
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), path],
-                              capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, XLA_FLAGS=flags))
-        assert proc.returncode == 0 and "PASS" in proc.stdout, \
-            f"{mode}:\n{proc.stdout}\n{proc.stderr}"
-        saved[mode] = dict(np.load(path))
-    for name, got in saved["graphs"].items():
-        np.testing.assert_array_equal(bits(got), bits(saved["no_graphs"][name]), err_msg=name)
+    assert_replays_match_without_graphs(__file__, tmp_path)
 
 
 def _replay_and_save(out_path: str) -> None:

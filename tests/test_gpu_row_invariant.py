@@ -8,8 +8,6 @@ without command buffers and compares the bits.
 """
 
 import functools
-import os
-import subprocess
 import sys
 
 import jax
@@ -19,6 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moe_jax import row_invariant
+from graph_testing import assert_replays_match_without_graphs
 from moe_testing import bits
 from row_invariant_testing import (DTYPES, assert_close_to_reference, assert_rows_invariant,
                                     group_rows, random_case, run)
@@ -97,31 +96,11 @@ def test_cuda_matmul_is_row_invariant():
         np.testing.assert_array_equal(bits(np.asarray(fn(x[rows], w))), bits(full[rows]))
 
 
-GRAPH_FLAGS = {
-    "graphs": "--xla_gpu_graph_min_graph_size=1 "
-              "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
-    "no_graphs": "--xla_gpu_enable_command_buffer=",
-}
-
-
 def test_cuda_graph_replays_give_the_same_bits(tmp_path):
     """One compiled call replayed with other inputs and group sizes: the same
     bits with command buffers on (custom calls and fusions allowed in CUDA
-    graphs) as with them off. XLA 0.11.2 forms command buffers from the
-    thunk sequence, after HLO, so the compiled HLO text cannot show whether
-    the call was captured; this checks the results of both modes."""
-    saved = {}
-    for mode, flags in GRAPH_FLAGS.items():
-        path = str(tmp_path / f"{mode}.npz")
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), path],
-                              capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, XLA_FLAGS=flags))
-        assert proc.returncode == 0 and "PASS" in proc.stdout, \
-            f"{mode}:\n{proc.stdout}\n{proc.stderr}"
-        saved[mode] = dict(np.load(path))
-    assert saved["graphs"].keys() == saved["no_graphs"].keys()
-    for name, got in saved["graphs"].items():
-        np.testing.assert_array_equal(bits(got), bits(saved["no_graphs"][name]), err_msg=name)
+    graphs) as with them off."""
+    assert_replays_match_without_graphs(__file__, tmp_path)
 
 
 def _replay_and_save(out_path: str) -> None:

@@ -19,28 +19,12 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
 #include "grouped_gemm.h"
 
 using moe_jax::cuda::GemmElem;
 using moe_jax::cuda::GroupedGemmArgs;
 using moe_jax::cuda::GroupedGemmOp;
-
-#define CHECK(cond, ...)                                                      \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__,   \
-                   #cond);                                                    \
-      std::fprintf(stderr, __VA_ARGS__);                                      \
-      std::fprintf(stderr, "\n");                                             \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
-
-#define CUDA_CHECK(expr)                                                      \
-  do {                                                                        \
-    cudaError_t err_ = (expr);                                                \
-    CHECK(err_ == cudaSuccess, "%s", cudaGetErrorString(err_));               \
-  } while (0)
 
 namespace {
 

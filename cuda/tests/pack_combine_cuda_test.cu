@@ -14,29 +14,11 @@
 #include <cuda_runtime.h>
 
 #include "pack_combine.h"
+#include "cuda_check.h"
 
 using moe_jax::cuda::CombineArgs;
 using moe_jax::cuda::ElemType;
 using moe_jax::cuda::PackArgs;
-
-#define CHECK(cond)                                                       \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, \
-                   #cond);                                                \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
-
-#define CUDA_CHECK(expr)                                                  \
-  do {                                                                    \
-    cudaError_t err_ = (expr);                                            \
-    if (err_ != cudaSuccess) {                                            \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__,  \
-                   #expr, cudaGetErrorString(err_));                      \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
 
 namespace {
 

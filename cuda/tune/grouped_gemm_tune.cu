@@ -22,20 +22,12 @@
 
 #include "grouped_gemm.h"
 #include "grouped_gemm_tune.h"
+#include "tests/cuda_check.h"
 
 namespace gg = moe_jax::cuda::grouped_gemm;
 using moe_jax::cuda::GemmElem;
 using moe_jax::cuda::GroupedGemmArgs;
 using moe_jax::cuda::GroupedGemmOp;
-
-#define CUDA_CHECK(expr)                                                            \
-  do {                                                                              \
-    cudaError_t err_ = (expr);                                                      \
-    if (err_ != cudaSuccess) {                                                      \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 namespace {
 

@@ -8,7 +8,9 @@
 #   tools/gpu_checks.sh OUT_DIR fast [fast_gpu_bench flags...]
 # runs the staged (FAST) all-to-all benchmark instead (JSON + markdown);
 #   tools/gpu_checks.sh OUT_DIR expert [expert_ffn_bench flags...]
-# the expert FFN / MoE layer benchmark.
+# the expert FFN / MoE layer benchmark;
+#   tools/gpu_checks.sh OUT_DIR tune
+# the grouped GEMM's tile configurations (cuda/tune/grouped_gemm_tune).
 set -uo pipefail
 out=${1:?usage: tools/gpu_checks.sh OUT_DIR [tests|bench|all] [flags...]}
 what=${2:-all}
@@ -27,6 +29,7 @@ echo "== build"
 start=$(date +%s)
 "$PY" -m pip install --no-build-isolation --no-deps -e . \
     -Ccmake.define.MOE_JAX_CUDA=ON -Ccmake.define.MOE_JAX_BUILD_TESTS=ON \
+    -Ccmake.define.MOE_JAX_GROUPED_GEMM_TUNE=ON \
     -Cbuild-dir=build/gpu >"$out/build.log" 2>&1 \
   || { tail -40 "$out/build.log"; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
@@ -54,6 +57,11 @@ if [ "$what" = expert ]; then
   echo "== expert FFN / layer benchmark"
   "$PY" -m benchmarks.expert_ffn_bench --out="$out" "$@" 2>&1 | grep -v "^I1\|^W1" \
       | tee "$out/expert_bench.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = tune ]; then
+  echo "== grouped GEMM tile configurations"
+  build/gpu/cuda/grouped_gemm_tune "$out/grouped_gemm_tune.csv" 2>&1 | tee "$out/tune.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = fast ]; then

@@ -1,7 +1,8 @@
 // Tuning benchmark of the grouped GEMM's tile configurations at the Mixtral
 // expert shape (bf16; H = 4096, F = 14336, 8 experts, group sizes skewed as
 // in benchmarks/expert_ffn_bench.py): for each configuration, the swiglu
-// (gate/up) and forward (down) GEMMs at 32, 512, 2048 and 8192 rows,
+// (gate/up with the fused epilogue), gate_up (the same GEMM, plain output)
+// and down GEMMs at 32, 512, 2048 and 8192 rows,
 // median time of 5 runs of 10 launches (CUDA events), TFLOP/s, weight
 // bytes streamed per second, and whether the output equals configuration
 // 0's bit for bit (row invariance across configurations).
@@ -81,15 +82,18 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t k, n, out_cols;
   };
+  // gate_up: the swiglu GEMM with the plain TMA epilogue writing [M, 2F],
+  // which shows what the fused epilogue costs or saves.
   const Shape shapes[] = {{GroupedGemmOp::kForwardSwiGLU, "swiglu", H, 2 * F, F},
+                          {GroupedGemmOp::kForward, "gate_up", H, 2 * F, 2 * F},
                           {GroupedGemmOp::kForward, "down", F, H, H}};
   uint16_t *a, *b, *out, *ref;
   int32_t* sizes_d;
   void* ws;
   CUDA_CHECK(cudaMalloc(&a, max_rows * F * 2));
   CUDA_CHECK(cudaMalloc(&b, G * H * 2 * F * 2));
-  CUDA_CHECK(cudaMalloc(&out, max_rows * F * 2));
-  CUDA_CHECK(cudaMalloc(&ref, max_rows * F * 2));
+  CUDA_CHECK(cudaMalloc(&out, max_rows * 2 * F * 2));
+  CUDA_CHECK(cudaMalloc(&ref, max_rows * 2 * F * 2));
   CUDA_CHECK(cudaMalloc(&sizes_d, G * 4));
   const size_t ws_bytes = moe_jax::cuda::GroupedGemmWorkspaceBytes(G);
   CUDA_CHECK(cudaMalloc(&ws, ws_bytes));

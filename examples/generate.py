@@ -409,7 +409,7 @@ def main(argv):
     if FLAGS.spill_capacity is not None and FLAGS.spill_capacity < 0:
         raise app.UsageError(f"--spill_capacity={FLAGS.spill_capacity} must be >= 0")
     for flag in ("record_traces", "tokens_out", "benchmark_out"):
-        cli.require_writable_parent(flag, getattr(FLAGS, flag))
+        cli.make_parent(flag, getattr(FLAGS, flag))
     logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
     start_processes()
     mesh, ep = make_mesh()

@@ -38,12 +38,15 @@ def run(main) -> None:
     app.run(wrapped)
 
 
-def require_writable_parent(flag: str, path: str | None) -> None:
-    """Fails now (not after the run) when `path`'s folder does not exist."""
+def make_parent(flag: str, path: str | None) -> None:
+    """Creates `path`'s folder now, or fails now (not after the run) when it
+    cannot be created."""
     if path:
         folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            fail(f"--{flag}={path}: folder {folder} does not exist")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            fail(f"--{flag}={path}: cannot create its folder {folder} ({err.strerror})")
 
 
 def require_file(flag: str, path: str | None) -> None:

@@ -63,6 +63,7 @@ from flax import nnx  # noqa: E402
 import moe_jax as mj  # noqa: E402
 from moe_jax import checkpoint, cli  # noqa: E402
 from moe_jax.config import STRATEGIES, TRANSPORTS  # noqa: E402
+from moe_jax.models.flags import define_model_flags  # noqa: E402
 from moe_jax.models import (DecoderConfig, MixtralLinen, MixtralNnx, init_params,  # noqa: E402
                             nnx_load_params)
 from moe_jax.models.benchmark import format_table, time_generation  # noqa: E402
@@ -114,13 +115,7 @@ flags.DEFINE_list("benchmark_methods", ["dense", "max_counts", "cap_and_spill", 
                   "--transport).")
 flags.DEFINE_string("benchmark_out", None, "Write the benchmark results to this JSON file.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
-flags.DEFINE_integer("vocab", 256, "Vocabulary size.")
-flags.DEFINE_integer("d_model", 64, "Model width.")
-flags.DEFINE_integer("heads", 4, "Attention heads.")
-flags.DEFINE_integer("layers", 2, "Decoder blocks.")
-flags.DEFINE_integer("experts", 8, "Experts per MoE layer (a multiple of --ep).")
-flags.DEFINE_integer("top_k", 2, "Experts per token.")
-flags.DEFINE_integer("ffn", 128, "Width of each expert.")
+define_model_flags()
 flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0: run as one process of a "
                     "jax.distributed run (with --num_processes and --process_id).")
 flags.DEFINE_integer("num_processes", 1, "Processes of the jax.distributed run.")

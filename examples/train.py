@@ -43,6 +43,7 @@ from absl import app, flags, logging  # noqa: E402
 import moe_jax as mj  # noqa: E402
 from moe_jax import checkpoint, cli  # noqa: E402
 from moe_jax.config import STRATEGIES, TRANSPORTS  # noqa: E402
+from moe_jax.models.flags import define_model_flags  # noqa: E402
 from moe_jax.models import DecoderConfig, init_params, nnx_params  # noqa: E402
 from moe_jax.models import train_linen, train_nnx  # noqa: E402
 from moe_jax.models.train_task import BigramTask  # noqa: E402
@@ -65,13 +66,7 @@ flags.DEFINE_integer("batch", 32, "Sequences per step (batch x seq_len tokens mu
 flags.DEFINE_integer("seq_len", 16, "Tokens per sequence.")
 flags.DEFINE_float("noise", 0.1, "Probability of a random next token in the task.")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
-flags.DEFINE_integer("vocab", 256, "Vocabulary size.")
-flags.DEFINE_integer("d_model", 64, "Model width.")
-flags.DEFINE_integer("heads", 4, "Attention heads.")
-flags.DEFINE_integer("layers", 2, "Decoder blocks.")
-flags.DEFINE_integer("experts", 8, "Experts per MoE layer (a multiple of --ep).")
-flags.DEFINE_integer("top_k", 2, "Experts per token.")
-flags.DEFINE_integer("ffn", 128, "Width of each expert.")
+define_model_flags()
 flags.DEFINE_integer("capacity", None, "C of cap_and_spill (default: half the mean "
                      "per-peer stream, so training spills and falls back).")
 flags.DEFINE_integer("spill_capacity", None, "S of cap_and_spill (default: C / 2).")

@@ -15,7 +15,7 @@ Layout of a checkpoint directory::
     <dir>/train_state/     a training state (save_state: params, optimizer
                            state, step; any pytree whose expert weights and
                            their optimizer moments sit under the names
-                           w_gate, w_up, w_down)
+                           w_gate_up, w_down)
     <dir>/decoder_config.json   the DecoderConfig fields, MoEConfig under "moe"
                                 (shapes checked on restore)
 
@@ -120,16 +120,7 @@ def save_params(directory: str | os.PathLike, params: Any, cfg: DecoderConfig | 
     Under ``jax.distributed`` every process calls this (each writes the
     shards it holds; process 0 writes the config).
     """
-    directory = os.path.abspath(os.fspath(directory))
-    params = nn.meta.unbox(params)
-    if mesh is not None:
-        params = shard_params(params, mesh, cfg.moe.expert_axis if cfg is not None else "ep")
-    os.makedirs(directory, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(directory, _PARAMS), params, force=force)
-        ckptr.wait_until_finished()
-    _write_config(directory, cfg)
-    return directory
+    return _save(directory, _PARAMS, params, cfg, mesh, force)
 
 
 def abstract_params(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None = None) -> Any:
@@ -137,15 +128,38 @@ def abstract_params(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None = None) -
     on `mesh` (expert weights split over cfg.moe.expert_axis; one device without
     a mesh)."""
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    if mesh is not None and cfg.moe.expert_axis in mesh.axis_names:
+        cfg.moe.experts_per_rank(mesh.shape[cfg.moe.expert_axis])
+    return _placed(shapes, cfg, mesh)
+
+
+def _placed(shapes: Any, cfg: DecoderConfig | None, mesh: jax.sharding.Mesh | None) -> Any:
+    """`shapes` as ShapeDtypeStructs with the shardings they get on `mesh`
+    (expert weights and their optimizer moments split over the expert axis,
+    the rest replicated; one device without a mesh)."""
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, shapes)
     else:
-        if cfg.moe.expert_axis in mesh.axis_names:
-            cfg.moe.experts_per_rank(mesh.shape[cfg.moe.expert_axis])
-        shardings = param_shardings(shapes, mesh, cfg.moe.expert_axis)
+        shardings = param_shardings(shapes, mesh, _expert_axis(cfg))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
+
+
+def _save(directory, item_name: str, tree: Any, cfg: DecoderConfig | None,
+          mesh: jax.sharding.Mesh | None, force: bool) -> str:
+    """Writes `tree` (laid out on `mesh` first, so each device writes its
+    slice) under directory/item_name, and `cfg` beside it."""
+    directory = os.path.abspath(os.fspath(directory))
+    tree = nn.meta.unbox(tree)
+    if mesh is not None:
+        tree = shard_params(tree, mesh, _expert_axis(cfg))
+    os.makedirs(directory, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(directory, item_name), tree, force=force)
+        ckptr.wait_until_finished()
+    _write_config(directory, cfg)
+    return directory
 
 
 def _write_config(directory: str, cfg: DecoderConfig | None) -> None:
@@ -177,21 +191,12 @@ def save_state(directory: str | os.PathLike, state: Any, cfg: DecoderConfig | No
     moe_jax.models.train_linen, or train_nnx.state_tree) to
     `directory`/train_state and `cfg` next to it; returns the directory.
 
-    Leaves under the expert weights' names (w_gate, w_up, w_down: the weights
+    Leaves under the expert weights' names (w_gate_up, w_down: the weights
     and the optimizer's moments of them) are laid out split over the expert
     axis of `mesh` first, so each device writes its slice; the rest is
     replicated. Under jax.distributed every process calls this.
     """
-    directory = os.path.abspath(os.fspath(directory))
-    state = nn.meta.unbox(state)
-    if mesh is not None:
-        state = shard_params(state, mesh, _expert_axis(cfg))
-    os.makedirs(directory, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(directory, _STATE), state, force=force)
-        ckptr.wait_until_finished()
-    _write_config(directory, cfg)
-    return directory
+    return _save(directory, _STATE, state, cfg, mesh, force)
 
 
 def restore_state(directory: str | os.PathLike, abstract_state: Any,
@@ -210,13 +215,7 @@ def restore_state(directory: str | os.PathLike, abstract_state: Any,
     if not os.path.isdir(os.path.join(directory, _STATE)):
         raise ValueError(f"directory: no training state in {directory}")
     cfg = _check_config(directory, cfg)
-    if mesh is None:
-        device = SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, abstract_state)
-    else:
-        shardings = param_shardings(abstract_state, mesh, _expert_axis(cfg))
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          abstract_state, shardings)
+    target = _placed(abstract_state, cfg, mesh)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(os.path.join(directory, _STATE), target)
 
@@ -245,7 +244,7 @@ def restore_params(directory: str | os.PathLike, cfg: DecoderConfig | None = Non
         saved_tree = ckptr.metadata(path).item_metadata.tree
         legacy = _has_separate_gate_up(saved_tree)
         restored = ckptr.restore(path, _separate_gate_up(target) if legacy else target)
-    return _fuse_gate_up(restored, target) if legacy else restored
+    return _fuse_gate_up(restored) if legacy else restored
 
 
 def _has_separate_gate_up(tree) -> bool:
@@ -282,18 +281,13 @@ def _separate_gate_up(target):
     return _map_moe(target, split)
 
 
-def _fuse_gate_up(restored, target):
-    """Fuses restored w_gate / w_up into w_gate_up with the target's sharding."""
-    def fuse(moe, target_moe):
+def _fuse_gate_up(restored):
+    """Fuses restored w_gate / w_up into w_gate_up, sharded as they were read."""
+    def fuse(moe):
+        if "w_gate" not in moe:
+            return moe
         moe = dict(moe)
-        sharding = target_moe["w_gate_up"].sharding
-        fused = jax.jit(fuse_gate_up, out_shardings=sharding)(moe.pop("w_gate"), moe.pop("w_up"))
-        moe["w_gate_up"] = fused
+        gate, up = moe.pop("w_gate"), moe.pop("w_up")
+        moe["w_gate_up"] = jax.jit(fuse_gate_up, out_shardings=gate.sharding)(gate, up)
         return moe
-
-    def walk(node, target_node):
-        if not isinstance(node, dict):
-            return node
-        node = {k: walk(v, target_node[k]) if k in target_node else v for k, v in node.items()}
-        return fuse(node, target_node) if "w_gate" in node and "w_up" in node else node
-    return walk(restored, target)
+    return _map_moe(restored, fuse)

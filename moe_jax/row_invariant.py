@@ -121,12 +121,18 @@ def _group_sizes_or_all_rows(group_sizes, num_groups: int, num_rows: int):
 def _reference(x, w, group_sizes):
     """lax.ragged_dot (HIGHEST precision: no TF32 for float32 inputs) with
     float32 results, the same row ranges and the zero tail."""
+    return ragged_dot_f32(x, w, group_sizes, jax.lax.Precision.HIGHEST)
+
+
+def ragged_dot_f32(x, w, group_sizes, precision=None):
+    """lax.ragged_dot with float32 results over the row ranges of
+    grouped_matmul (negative sizes as 0, cut at M) and +0.0 rows past them."""
     num_rows, cols = x.shape[0], w.shape[2]
     if w.shape[0] == 0 or num_rows == 0:
         return jnp.zeros((num_rows, cols), jnp.float32)
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
-    out = jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST,
+    out = jax.lax.ragged_dot(x, w, sizes, precision=precision,
                              preferred_element_type=jnp.float32)
     inside = jnp.arange(num_rows, dtype=jnp.int32) < ends[-1]
     return jnp.where(inside[:, None], out, jnp.float32(0))

@@ -198,17 +198,10 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
 # --- XLA -------------------------------------------------------------------
 
 def _ragged_dot(x, w, group_sizes):
-    """lax.ragged_dot with float32 results, the same row ranges and a zero tail."""
-    num_rows, cols = x.shape[0], w.shape[2]
-    if num_rows == 0:
-        return jnp.zeros((num_rows, cols), jnp.float32)
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
-    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+    """lax.ragged_dot, float32 results, zero tail (HIGHEST precision for
+    float32 inputs: no TF32)."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    out = jax.lax.ragged_dot(x, w, sizes, precision=precision,
-                             preferred_element_type=jnp.float32)
-    inside = jnp.arange(num_rows, dtype=jnp.int32) < ends[-1]
-    return jnp.where(inside[:, None], out, jnp.float32(0))
+    return row_invariant.ragged_dot_f32(x, w, group_sizes, precision)
 
 
 # --- moe_jax_grouped_matmul (CUTLASS) --------------------------------------

@@ -54,9 +54,11 @@ struct TileConfigT {
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
-// The configuration every op uses: ping-pong on 128 x 128 x 64 tiles, no
-// cluster. (benchmarks: cuda/tests/grouped_gemm_tune.cu compares others.)
-using TileConfig = TileConfigT<128, 128, 64, 1, 1, true>;
+// The configuration every op uses: cooperative on 128 x 256 x 64 tiles, no
+// cluster, the fastest at every row count the tuning tool measures
+// (cuda/tune/grouped_gemm_tune; docs/benchmarks/grouped_gemm_tune_*.md).
+// Every configuration with 64-deep K tiles gives the same bits.
+using TileConfig = TileConfigT<128, 256, 64, 1, 1, false>;
 
 template <class Elem>
 inline constexpr int kAlign16B = 128 / cutlass::sizeof_bits<Elem>::value;

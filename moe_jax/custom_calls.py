@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import refs, transposes
+from moe_jax.manual_axes import as_varying, same_varying, varying_axes
 
 PACK = "moe_jax_pack"
 COMBINE = "moe_jax_combine"
@@ -76,37 +77,14 @@ def _require_handlers(target: str, platform: str | None) -> None:
             "use kernel_impl='reference'.")
 
 
-def _varying_axes(*arrays) -> frozenset:
-    """Manual mesh axes (inside shard_map) any of the arrays varies over."""
-    axes = frozenset()
-    for a in arrays:
-        mat = getattr(jax.typeof(a), "mat", None)
-        if mat is not None:
-            axes |= mat.varying
-    return axes
-
-
-def _as_varying(x, axes: frozenset):
-    missing = tuple(sorted(axes - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _call_ffi(target: str, out_types, operands, attrs, extra_axes=(), **options):
     """ffi_call with operands and results typed as varying over the same
     manual axes (ffi_call itself demands equal input types inside shard_map
     and returns results that vary over nothing)."""
-    axes = _varying_axes(*operands) | frozenset(extra_axes)
-    operands = [_as_varying(o, axes) for o in operands]
+    axes = varying_axes(*operands) | frozenset(extra_axes)
+    operands = [as_varying(o, axes) for o in operands]
     results = jax.ffi.ffi_call(target, out_types, **options)(*operands, **attrs)
-    return jax.tree.map(lambda r: _as_varying(r, axes), results)
-
-
-def _same_varying(*arrays, extra_axes=()):
-    """The arrays typed as varying over the same manual axes (their union and
-    extra_axes). A custom_vjp then sees operands and cotangents of one type;
-    the casts' own transposes (sums over the added axes) stay outside it."""
-    axes = _varying_axes(*arrays) | frozenset(extra_axes)
-    return [_as_varying(a, axes) for a in arrays]
+    return jax.tree.map(lambda r: as_varying(r, axes), results)
 
 
 def _check(cond: bool, target: str, operand: str, message: str) -> None:
@@ -154,7 +132,7 @@ def pack(x, sorted_slots, send_offsets, send_counts, *, top_k: int, start: int,
                        platform)
     if impl != "reference":
         _require_handlers(PACK, platform)
-    return _pack(attrs, *_same_varying(x, sorted_slots, send_offsets, send_counts))
+    return _pack(attrs, *same_varying(x, sorted_slots, send_offsets, send_counts))
 
 
 class _PackAttrs(NamedTuple):
@@ -242,7 +220,7 @@ def combine(cap_ret, spill_ret, dest, pos, weights, *, start: int, out_dtype,
     attrs = _CombineAttrs(int(start), out_dtype, impl, platform)
     if impl != "reference":
         _require_handlers(COMBINE, platform)
-    return _combine(attrs, *_same_varying(cap_ret, spill_ret, dest, pos, weights))
+    return _combine(attrs, *same_varying(cap_ret, spill_ret, dest, pos, weights))
 
 
 class _CombineAttrs(NamedTuple):
@@ -333,7 +311,7 @@ def ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, *, recv_rows
     if impl != "reference":
         _require_handlers(ALL_TO_ALL, "cpu")
     attrs = _AllToAllAttrs(int(recv_rows), int(send.shape[0]), axis_name, impl)
-    return _ragged_all_to_all(attrs, *_same_varying(send, send_offsets, send_sizes,
+    return _ragged_all_to_all(attrs, *same_varying(send, send_offsets, send_sizes,
                                                     recv_offsets, extra_axes=(axis_name,)))
 
 
@@ -426,7 +404,7 @@ def nccl_all_to_all(*buffers, axis_name: str):
         _check(b.ndim >= 2 and b.shape[0] == groups.shape[1], NCCL_ALL_TO_ALL,
                f"buffers[{i}]", f"must be [P={groups.shape[1]}, C, ...], got {list(b.shape)}")
     _require_handlers(NCCL_ALL_TO_ALL, "gpu")
-    return _nccl_all_to_all(axis_name, tuple(_same_varying(*buffers, extra_axes=(axis_name,))))
+    return _nccl_all_to_all(axis_name, tuple(same_varying(*buffers, extra_axes=(axis_name,))))
 
 
 def _nccl_all_to_all_call(axis_name: str, buffers: tuple) -> tuple:

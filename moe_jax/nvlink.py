@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import custom_calls, nvlink_grad
+from moe_jax import custom_calls, manual_axes, nvlink_grad
 from moe_jax.fp8 import FP8_BLOCK, FP8_MAX, dequantize, quantize_e4m3  # noqa: F401 (re-exported)
 from moe_jax.plan import worst_case_rows_per_peer
 
@@ -229,13 +229,13 @@ def _call(target, channel: Channel, axis_name, out_types, operands, same_on_ever
     """The custom call; results listed in same_on_every_rank stay typed as
     invariant over the mesh axes (they are), the others vary."""
     custom_calls._require_handlers(target, "gpu")
-    axes = custom_calls._varying_axes(*operands) | {axis_name}
-    operands = [custom_calls._as_varying(o, axes) for o in operands]
+    axes = manual_axes.varying_axes(*operands) | {axis_name}
+    operands = [manual_axes.as_varying(o, axes) for o in operands]
     results = jax.ffi.ffi_call(target, out_types, has_side_effect=True)(
         *operands, **channel.attrs())
     if not isinstance(results, (tuple, list)):
-        return custom_calls._as_varying(results, axes)
-    return tuple(r if i in same_on_every_rank else custom_calls._as_varying(r, axes)
+        return manual_axes.as_varying(results, axes)
+    return tuple(r if i in same_on_every_rank else manual_axes.as_varying(r, axes)
                  for i, r in enumerate(results))
 
 

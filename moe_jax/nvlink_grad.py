@@ -121,7 +121,11 @@ def _unit_weights(expert_ids: jax.Array) -> jax.Array:
 def _dispatch_rows(ops: CountAwareOps, x, expert_ids, fp8: bool):
     got = ops.dispatch(x, expert_ids, fp8=fp8)
     if fp8:
-        got = got._replace(rows=dequantize(got.rows, got.scales, x.dtype), scales=None)
+        # Padding rows hold whatever the receive buffer held, which in e4m3
+        # may be NaN; zero them so no expert function sees them.
+        rows = jnp.arange(got.rows.shape[0], dtype=jnp.int32) < jnp.sum(got.group_sizes)
+        got = got._replace(rows=jnp.where(rows[:, None], dequantize(got.rows, got.scales,
+                                                                   x.dtype), 0), scales=None)
     return got
 
 
@@ -130,8 +134,8 @@ def dispatch(ops: CountAwareOps, x: jax.Array, expert_ids: jax.Array, *, fp8: bo
 
     x: [T, H]; expert_ids: [T, k] int32. With fp8 the rows travel as e4m3
     with per-128 scales and come back dequantized to x's dtype (scales
-    None); the gradient passes the quantization as the identity
-    (straight-through). The VJP is a combine of the rows' gradients with
+    None) and rows past sum(group_sizes) zero; the gradient passes the
+    quantization as the identity (straight-through). The VJP is a combine of the rows' gradients with
     unit weights: dx[t] = the float32 sum of its picks' row gradients in
     pick order, rounded to x's dtype.
     """

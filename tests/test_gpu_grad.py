@@ -189,3 +189,53 @@ def test_layer_gradients_on_two_gpus(transport):
     want = loss(config.replace(strategy="dense", transport="lax"), None)(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert rel_error(a, b) < 1e-4
+
+
+def _ragged_case(ranks, send_rows, recv_rows, width, seed):
+    """Per-pair row counts and each rank's offsets for a ragged exchange."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((ranks, ranks), np.int32)            # [src, dst]
+    for src in range(ranks):
+        cut = np.sort(rng.integers(0, send_rows + 1, ranks - 1))
+        counts[src] = np.diff(np.concatenate([[0], cut, [send_rows]]))
+    counts = np.minimum(counts, recv_rows // ranks)
+    send_offsets = np.cumsum(counts, axis=1) - counts       # into src's send buffer
+    recv_offsets = (np.cumsum(counts, axis=0) - counts).T   # [dst, src] into dst's buffer
+    send = rng.standard_normal((ranks, send_rows, width)).astype(np.float32)
+    ct = rng.standard_normal((ranks, recv_rows, width)).astype(np.float32)
+    return counts, send_offsets.astype(np.int32), recv_offsets.astype(np.int32), send, ct
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("send_rows, recv_rows", [(12, 20), (20, 12)])
+def test_xla_ragged_all_to_all_vjp_is_the_reverse_exchange(send_rows, recv_rows):
+    """The GPU `lax` exchange of the ragged strategy: rows land where the
+    receiver's offsets say, and the gradient of every sent row is the
+    cotangent of the row it became (zero for rows sent nowhere)."""
+    from moe_jax.dispatch.context import xla_ragged_all_to_all
+    ranks = 2
+    needs_gpus(ranks)
+    counts, send_off, recv_off, send, ct = _ragged_case(ranks, send_rows, recv_rows, 8, 1)
+    mesh = mesh_of(ranks, "gpu")
+
+    def body(send, send_off, sizes, recv_off, ct):
+        def loss(send):
+            out, _ = xla_ragged_all_to_all(send, send_off, sizes, recv_off, recv_rows, "ep")
+            return jnp.sum(out * ct), out
+        (_, out), d_send = jax.value_and_grad(loss, has_aux=True)(send)
+        return out, d_send
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5,
+                                out_specs=(P("ep"), P("ep"))))
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+    out, d_send = run(flat(send), flat(send_off), flat(counts), flat(recv_off), flat(ct))
+    out = np.asarray(out).reshape(ranks, recv_rows, -1)
+    d_send = np.asarray(d_send).reshape(ranks, send_rows, -1)
+    want_out, want_d = np.zeros_like(out), np.zeros_like(d_send)
+    for src in range(ranks):
+        for dst in range(ranks):
+            n, s, r = counts[src, dst], send_off[src, dst], recv_off[dst, src]
+            want_out[dst, r:r + n] = send[src, s:s + n]
+            want_d[src, s:s + n] = ct[dst, r:r + n]
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(d_send, want_d)

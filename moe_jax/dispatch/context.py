@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from moe_jax import custom_calls
+from moe_jax import custom_calls, manual_axes
 
 
 def _opaque_zero(x: jax.Array) -> jax.Array:
@@ -23,6 +24,50 @@ def _opaque_zero(x: jax.Array) -> jax.Array:
 def _depend_on(tree, zero: jax.Array):
     """`tree` unchanged bit for bit, but computed after `zero` is known."""
     return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), tree)
+
+
+def xla_ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, recv_rows, axis_name):
+    """`lax.ragged_all_to_all` with receiver-side offsets (see
+    custom_calls.ragged_all_to_all for the arguments): (recv [recv_rows,
+    ...], recv_sizes [P]). Rows nobody wrote are zero. GPU only.
+
+    Its VJP is the reverse exchange written out here (d_recv's ranges go
+    back to the rows they came from, rows sent nowhere get zero), the same
+    operation as the forward with offsets and sizes swapped.
+    """
+    operands = manual_axes.same_varying(send, send_offsets, send_sizes, recv_offsets,
+                                        extra_axes=(axis_name,))
+    return _xla_ragged(send.shape[0], recv_rows, axis_name, *operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _xla_ragged(send_rows, recv_rows, axis_name, send, send_offsets, send_sizes, recv_offsets):
+    del send_rows
+    # Each sender must name where its rows land on every receiver.
+    output_offsets = jax.lax.all_to_all(recv_offsets, axis_name, 0, 0, tiled=True)
+    recv_sizes = jax.lax.all_to_all(send_sizes, axis_name, 0, 0, tiled=True)
+    out = manual_axes.as_varying(jnp.zeros((recv_rows,) + send.shape[1:], send.dtype),
+                                 manual_axes.varying_axes(send))
+    out = jax.lax.ragged_all_to_all(send, out, send_offsets, send_sizes, output_offsets,
+                                    recv_sizes, axis_name=axis_name)
+    return out, recv_sizes
+
+
+def _xla_ragged_fwd(send_rows, recv_rows, axis_name, send, send_offsets, send_sizes,
+                    recv_offsets):
+    out, recv_sizes = _xla_ragged(send_rows, recv_rows, axis_name, send, send_offsets,
+                                  send_sizes, recv_offsets)
+    return (out, recv_sizes), (send_offsets, recv_offsets, recv_sizes)
+
+
+def _xla_ragged_bwd(send_rows, recv_rows, axis_name, residuals, cotangents):
+    send_offsets, recv_offsets, recv_sizes = residuals
+    d_send, _ = _xla_ragged(recv_rows, send_rows, axis_name, cotangents[0], recv_offsets,
+                            recv_sizes, send_offsets)
+    return d_send, None, None, None
+
+
+_xla_ragged.defvjp(_xla_ragged_fwd, _xla_ragged_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +173,8 @@ class DispatchContext:
             mask = (jnp.arange(rows) < send_sizes[0]).reshape((rows,) + (1,) * (send.ndim - 1))
             return out.at[:rows].set(jnp.where(mask, send[:rows], 0)), send_sizes
         if self.platform != "cpu":
-            # Each sender must name where its rows land on every receiver.
-            output_offsets = jax.lax.all_to_all(recv_offsets, self.axis_name, 0, 0, tiled=True)
-            recv_sizes = jax.lax.all_to_all(send_sizes, self.axis_name, 0, 0, tiled=True)
-            out = jnp.zeros((recv_rows,) + send.shape[1:], send.dtype)
-            out = jax.lax.ragged_all_to_all(send, out, send_offsets, send_sizes,
-                                            output_offsets, recv_sizes, axis_name=self.axis_name)
-            return out, recv_sizes
+            return xla_ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets,
+                                         recv_rows, self.axis_name)
         impl = "reference" if self.kernel_impl == "reference" and self.transport != \
             "custom_call" else "custom_call"
         return self._collective(
@@ -188,7 +228,7 @@ class DispatchContext:
         def reduce(tree):
             # Typed varying over every axis first: a reduction over several
             # axes takes no input that varies over only some of them.
-            tree = jax.tree.map(lambda a: custom_calls._as_varying(a, frozenset(axes)), tree)
+            tree = jax.tree.map(lambda a: manual_axes.as_varying(a, frozenset(axes)), tree)
             return op(tree, axes)
         return self._collective(reduce, x)
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import custom_calls
+from moe_jax import custom_calls, manual_axes
 from moe_jax.fast import cpp
 from moe_jax.fast import phases as ph
 from moe_jax.fast import plan as pl
@@ -123,7 +123,7 @@ def callback_all_to_all(x, traffic, *, axis_name: str, topology: Topology,
 
   out = jnp.zeros((out_rows,) + tail, x.dtype)
   ws = jnp.zeros((ws_rows,) + tail, x.dtype)
-  out = custom_calls._as_varying(out, custom_calls._varying_axes(x) | {axis_name})
-  ws = custom_calls._as_varying(ws, custom_calls._varying_axes(x) | {axis_name})
+  out = manual_axes.as_varying(out, manual_axes.varying_axes(x) | {axis_name})
+  ws = manual_axes.as_varying(ws, manual_axes.varying_axes(x) | {axis_name})
   out, _ = jax.lax.fori_loop(0, arrs.num_phases, phase, (out, ws))
   return out

@@ -29,7 +29,8 @@ def main(ranks: int) -> None:
     experts = mj.init_expert_weights(jax.random.key(0), num_experts, hidden, 128)
     for transport in ("custom_call", "lax", "nvlink"):
         mesh, fn = mt._strategy_runner("cap_and_spill", ranks, 2, 2, 1, "custom_call",
-                                       transport, jnp.dtype(jnp.float32), "gpu")
+                                       transport, jnp.dtype(jnp.float32), "gpu", 1,
+                                       "xla")
         sharding = NamedSharding(mesh, P("ep"))
         for replay, kind in enumerate(["random", "zipf", "one_expert", "random", "empty_rank"]):
             x, ids, w = mt.random_case(replay, ranks, 16, num_experts, 2, hidden, kind,

@@ -6,7 +6,7 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import (Delivered, DispatchContext, DispatchResult, DispatchStats,
                               dispatch_combine)
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
-from moe_jax.layer import MoEAux, MoEParams, init_moe_params, moe_layer
+from moe_jax.layer import MoEAux, MoEParams, init_moe_params, moe_layer, resolve_transport
 from moe_jax.mesh import expert_mesh
 from moe_jax.plan import DispatchPlan, make_plan
 from moe_jax.routing import Routing, route

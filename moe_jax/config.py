@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 Strategy = Literal["dense", "max_counts", "cap_and_spill", "ragged"]
-Transport = Literal["lax", "custom_call", "nvlink"]
+Transport = Literal["auto", "lax", "custom_call", "nvlink"]
 Matmul = Literal["auto", "cutlass", "row_invariant", "xla"]
 KernelImpl = Literal["custom_call", "reference"]
 RouterKind = Literal["softmax", "sigmoid_grouped"]
@@ -45,12 +45,19 @@ class MoEConfig:
         (cap_and_spill only; choose it with `moe_jax.calibrate`).
       spill_capacity: S, rows per pair in pass 2 (cap_and_spill only).
       transport: how buffers cross ranks: "lax" (`lax.all_to_all`, or
-        `lax.ragged_all_to_all` for the ragged strategy on GPU) or
-        "custom_call" (moe_jax's own all-to-all custom call; on CPU it also
-        gives the ragged strategy the ragged all-to-all XLA:CPU lacks) or
-        "nvlink" (count-aware peer-to-peer kernels that move only the real
-        rows; the GPUs of one host, in one process or one per GPU under
-        jax.distributed; strategies ragged and cap_and_spill).
+        `lax.ragged_all_to_all` for the ragged strategy on GPU),
+        "custom_call" (moe_jax's own all-to-all custom call: in-process on
+        CPU, where it also serves the ragged strategy, XLA:CPU having no
+        ragged all-to-all; NCCL on GPU, where the ragged strategy rejects
+        it), "nvlink" (count-aware peer-to-peer kernels that move only the
+        real rows; the GPUs of one host, in one process or one per GPU
+        under jax.distributed; strategies ragged and cap_and_spill; a
+        warning is logged when the GPUs are peers over PCIe only) or
+        "auto" (chosen from the devices' topology when the layer is
+        traced, see moe_jax.topology; `moe_jax.resolve_transport` says
+        what it picks and why, and the layer logs it). On GPUs the rare
+        exact fallback of cap_and_spill runs `lax.all_to_all` whatever the
+        transport (docs/design/cap_and_spill_fallback.md).
       dispatch_fp8: with transport "nvlink", send tokens as e4m3 with one
         float32 scale per 128 elements (about half the bytes of bf16; see
         moe_jax.nvlink) and dequantize them to bf16 for the experts; the

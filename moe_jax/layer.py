@@ -13,6 +13,7 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
 from moe_jax.routing import load_balancing_loss, route, router_logits, router_z_loss
+from moe_jax.topology import TransportChoice, choose_transport, logger, peer_link
 
 
 class MoEParams(NamedTuple):
@@ -54,6 +55,33 @@ def init_moe_params(key: jax.Array, config: MoEConfig) -> MoEParams:
 def _platform(mesh) -> str:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     return "cpu" if platform == "cpu" else "gpu"
+
+
+def resolve_transport(config: MoEConfig, mesh=None) -> TransportChoice:
+    """The transport `moe_layer` runs for `config` on `mesh`, and why.
+
+    For `transport="auto"` the choice of `moe_jax.topology.choose_transport`
+    over the mesh's devices; any other transport is returned as given (with
+    the reason "configured"). Runs on the host, outside jit.
+    """
+    platform = _platform(mesh)
+    devices = tuple(mesh.devices.flat) if mesh is not None else ()
+    if config.transport != "auto":
+        return TransportChoice(config.transport, "configured")
+    if config.strategy == "dense" or mesh is None:
+        return choose_transport("dense", platform, ())
+    return choose_transport(config.strategy, platform, devices)
+
+
+def _transport(config: MoEConfig, mesh) -> str:
+    choice = resolve_transport(config, mesh)
+    if config.transport == "auto":
+        logger.info("moe_jax: transport='auto' runs %r: %s", choice.transport, choice.reason)
+    elif config.transport == "nvlink" and mesh is not None and _platform(mesh) == "gpu" \
+            and peer_link(mesh.devices.flat) == "pcie":
+        logger.warning("moe_jax: transport='nvlink' over GPUs that are peers over PCIe "
+                       "only; expect all-to-all far below NVLink speed")
+    return choice.transport
 
 
 def _place(a: jax.Array, mesh, spec) -> jax.Array:
@@ -144,7 +172,8 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
                          f"got {list(params.router.shape)}")
     if config.strategy == "dense":
         tokens = _flatten(x, mesh, P())
-        ctx = DispatchContext(None, 1, config.transport, config.kernel_impl, _platform(mesh))
+        ctx = DispatchContext(None, 1, _transport(config, None), config.kernel_impl,
+                              _platform(mesh))
         out, aux = _route_and_dispatch(params, tokens, config, ctx, return_delivered)
         return _unflatten(out, x, mesh), aux
     axis = config.expert_axis
@@ -167,7 +196,7 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
                          f"split evenly over the {num_ranks * data_ranks} ranks of mesh axes "
                          f"{token_axes}")
-    ctx = DispatchContext(axis, num_ranks, config.transport, config.kernel_impl,
+    ctx = DispatchContext(axis, num_ranks, _transport(config, mesh), config.kernel_impl,
                           _platform(mesh), tuple(mesh.devices.flat),
                           dispatch_fp8=config.dispatch_fp8, data_axes=config.data_axes,
                           data_ranks=data_ranks)

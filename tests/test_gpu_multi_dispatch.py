@@ -37,6 +37,8 @@ def test_rows_match_dense_on_gpus(data, ranks, strategy, capacity, spill, transp
     needs_gpus(data * ranks)
     if transport == "nvlink" and strategy == "max_counts":
         pytest.skip("max_counts pads by definition; the NVLink transport moves real rows")
+    if transport == "custom_call" and strategy == "ragged":
+        pytest.skip("no ragged exchange over NCCL (an error; tests/test_transport.py)")
     num_experts = 2 * ranks
     seed = 100 * ranks + 1000 * data + ROUTINGS.index(kind)
     x, ids, w = random_case(seed, data * ranks, 24, num_experts, 2, HIDDEN, kind, jnp.bfloat16)
@@ -67,6 +69,8 @@ def test_row_invariant_layer_output_is_the_dense_bits(data, ranks, strategy, cap
     needs_gpus(data * ranks)
     if transport == "nvlink" and strategy == "max_counts":
         pytest.skip("max_counts pads by definition; the NVLink transport moves real rows")
+    if transport == "custom_call" and strategy == "ragged":
+        pytest.skip("no ragged exchange over NCCL (an error; tests/test_transport.py)")
     config = mj.MoEConfig(hidden_size=HIDDEN, ffn_size=FFN, num_experts=2 * ranks, top_k=2,
                           strategy=strategy, capacity=capacity, spill_capacity=spill,
                           transport=transport, matmul="row_invariant",

@@ -92,6 +92,14 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                f"must be an integer >= 1 for cap_and_spill, got {capacity!r}")
         _check(spill_capacity is not None and spill_capacity >= 0, "spill_capacity",
                f"must be an integer >= 0 for cap_and_spill, got {spill_capacity!r}")
+    _check(ctx.transport in ("lax", "custom_call", "nvlink"), "ctx",
+           f"transport must be 'lax', 'custom_call' or 'nvlink' (resolve 'auto' with "
+           f"moe_jax.resolve_transport), got {ctx.transport!r}")
+    if strategy == "ragged" and ctx.transport == "custom_call" and ctx.platform == "gpu" \
+            and ctx.num_ranks > 1:
+        _check(False, "ctx", "transport 'custom_call' has no ragged exchange on GPUs (NCCL "
+               "would need the row counts on the host): use 'lax' "
+               "(lax.ragged_all_to_all), 'nvlink' or 'auto' for strategy 'ragged'")
     if ctx.transport == "nvlink" and strategy != "dense" and ctx.num_ranks > 1:
         _check(strategy in ("ragged", "cap_and_spill"), "strategy",
                f"must be 'ragged' or 'cap_and_spill' with transport 'nvlink', got {strategy!r}")

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.dispatch import DispatchStats
+from moe_jax.layer import resolve_transport
 from moe_jax.models.decoder import (DecoderConfig, MixtralLinen, MixtralNnx, ModelOutput,
                                     init_cache, linen_stats)
 from moe_jax.models.sharding import replicate, shard_params, spans_processes, to_host
@@ -206,14 +207,15 @@ def check_multiprocess(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None) -> No
     if not spans_processes(mesh) or cfg.moe.strategy == "dense":
         return
     moe = cfg.moe
+    transport = resolve_transport(moe, mesh).transport
     if mesh.devices.flat[0].platform != "cpu":
-        if moe.strategy == "ragged" and moe.transport != "nvlink":
+        if moe.strategy == "ragged" and transport != "nvlink":
             raise ValueError("transport: the ragged strategy moves rows with XLA's GPU "
                              "lax.ragged_all_to_all (transports 'lax' and 'custom_call'), "
                              "which cannot cross processes (XLA refuses its NCCL fallback); "
                              "use transport='nvlink' on a multi-process GPU mesh")
         return
-    if moe.transport == "custom_call":
+    if transport == "custom_call":
         raise ValueError("transport: the CPU all-to-all custom call is an in-process "
                          "rendezvous and cannot cross processes; use transport='lax' on a "
                          "multi-process CPU mesh")

@@ -1,10 +1,10 @@
 """Asynchronous vs. synchronous expert parallelism: a decode-serving simulation.
 
-CPU devices (tiny model, the table in docs/benchmarks/async_ep_cpu.md):
+CPU devices (tiny model, the table in docs/benchmarks/async_ep/async_ep_cpu.md):
 
     python benchmarks/async_ep_bench.py
 
-Four GPUs of one host (writes docs/benchmarks/async_ep_4xH200.{json,md,png}
+Four GPUs of one host (writes async_ep_4xH200.{json,md,png} into --out
 on H200s; estimated 4-5 minutes, compilation and cost measurement included):
 
     python benchmarks/async_ep_bench.py --platform=gpu --num_devices=4 --hidden=2048 --ffn=8192 --heads=16 --num_blocks=4 --max_batch=128 --total_slots=128 --num_requests=192 --length_scale=0.3

@@ -1,7 +1,7 @@
 """Summary tables of dispatch_bench result files, one run per table.
 
-    python -m benchmarks.summary docs/benchmarks/dispatch_*.json \
-        --out docs/benchmarks/SUMMARY.md
+    python -m benchmarks.summary docs/benchmarks/dispatch/dispatch_*.json \
+        --out docs/benchmarks/dispatch/SUMMARY.md
 
 Mean dispatch+combine latency per tokens-per-GPU for each method (cap_and_spill
 at q = 0.99), the ratios the targets are stated in, and the byte floor. Every

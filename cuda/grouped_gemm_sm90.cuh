@@ -56,7 +56,7 @@ struct TileConfigT {
 
 // The configuration every op uses: cooperative on 128 x 256 x 64 tiles, no
 // cluster, the fastest at every row count the tuning tool measures
-// (cuda/tune/grouped_gemm_tune; docs/benchmarks/grouped_gemm_tune_*.md).
+// (cuda/tune/grouped_gemm_tune; docs/benchmarks/experts/grouped_gemm_tune_*.md).
 // Every configuration with 64-deep K tiles gives the same bits.
 using TileConfig = TileConfigT<128, 256, 64, 1, 1, false>;
 

@@ -64,7 +64,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks.provenance import portable_command, source_digest  # noqa: E402
+from benchmarks.provenance import (commit, extension_digest, portable_command,  # noqa: E402
+                                   source_digest)
 from moe_jax import cli  # noqa: E402
 from moe_jax.async_ep import tokens as tk  # noqa: E402
 from moe_jax.async_ep.baseline import SyncEngine  # noqa: E402
@@ -287,7 +288,8 @@ def main(argv):
                 f"'{FLAGS.platform}')) on {host}",
         versions=dict(python=platform.python_version(), jax=jax.__version__,
                       numpy=np.__version__, platform=platform.platform(),
-                      sources=source_digest()),
+                      sources=source_digest(), commit=commit(),
+                      extensions=extension_digest()),
         flags={f: FLAGS[f].value for f in [
             "platform", "workload", "length_scale", "rates", "auto_fractions", "num_requests", "schedulers",
             "async_layouts", "attention_devices", "lookahead", "decay", "num_devices",

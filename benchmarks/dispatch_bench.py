@@ -49,7 +49,7 @@ from moe_jax.dispatch.passes import return_window, send_window
 from moe_jax.plan import make_plan, worst_case_rows_per_peer
 from moe_jax.traces import sample_routing
 
-from benchmarks.provenance import source_digest
+from benchmarks.provenance import code_meta, portable_command
 from moe_jax import cli
 
 FLAGS = flags.FLAGS
@@ -364,11 +364,10 @@ def _write(results, devices, bandwidth, partial):
     os.makedirs(FLAGS.out, exist_ok=True)
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), host=socket.gethostname(),
+        command=portable_command("python " + " ".join(sys.argv)), host=socket.gethostname(),
         devices=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
         jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
-        moe_jax=mj.__version__, moe_jax_source_sha256=source_digest(),
-        python=platform.python_version(),
+        moe_jax=mj.__version__, **code_meta(), python=platform.python_version(),
         alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9 if bandwidth else None,
         hidden=FLAGS.hidden,
         timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll, consume=FLAGS.consume,

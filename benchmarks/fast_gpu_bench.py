@@ -38,7 +38,7 @@ import time
 
 from absl import app, flags
 
-from benchmarks.provenance import portable_command, source_digest
+from benchmarks.provenance import code_meta, portable_command
 from moe_jax import cli
 
 FLAGS = flags.FLAGS
@@ -204,7 +204,7 @@ def _meta(devices, plat, detected):
       command="python -m benchmarks.fast_gpu_bench " + " ".join(sys.argv[1:]),
       host=socket.gethostname(), platform=plat,
       devices=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
-      moe_jax=mj.__version__, moe_jax_source_sha256=source_digest(),
+      moe_jax=mj.__version__, **code_meta(),
       python=platform_mod.python_version(), nccl=nccl,
       detected_topology=f"{detected} ({detected.source}{': ' + detected.detail if detected.detail else ''})",
       hidden=FLAGS.hidden, dtype=FLAGS.dtype, skew=FLAGS.skew, scope=FLAGS.scope,

@@ -66,3 +66,10 @@ def portable_command(command: str) -> str:
             arg = "benchmarks/" + arg.rsplit("/benchmarks/", 1)[1]
         out.append(arg)
     return " ".join(out)
+
+
+def code_meta() -> dict:
+    """What every record stores about its code: the commit ("+dirty" for an
+    uncommitted tree), the sources' digest and each built extension's."""
+    return dict(commit=commit(), moe_jax_source_sha256=source_digest(),
+                extension_sha256=extension_digest())

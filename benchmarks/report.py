@@ -30,6 +30,8 @@ def write_report(json_path: str) -> str:
     lines = [f"# MoE dispatch latency: {meta['devices']}", "",
              f"- date: {meta['date']}", f"- command: `{portable_command(meta['command'])}`",
              f"- jax {meta['jax']}, moe_jax {meta['moe_jax']}, Python {meta['python']}",
+             *([f"- code: commit {meta['commit']}, sources {meta['moe_jax_source_sha256']}, "
+                f"extensions {meta.get('extension_sha256')}"] if "commit" in meta else []),
              f"- d={meta['hidden']} bf16, E={meta['experts']}, top-{meta['top_k']}, "
              f"{meta['steps']} measured steps per row, fresh routing every step "
              "(calibrated Mixtral-8x7B trace model)",

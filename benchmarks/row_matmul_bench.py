@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.provenance import portable_command, source_digest
+from benchmarks.provenance import commit, extension_digest, portable_command, source_digest
 from moe_jax import cli
 from moe_jax import row_invariant
 
@@ -139,7 +139,8 @@ def main(argv):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python -m benchmarks.row_matmul_bench " + " ".join(sys.argv[1:]),
                 jax=jax.__version__, python=platform.python_version(),
-                source_digest=source_digest(), steps=FLAGS.steps, calls=FLAGS.calls)
+                source_digest=source_digest(), commit=commit(),
+                extension_sha256=extension_digest(), steps=FLAGS.steps, calls=FLAGS.calls)
     rows = measure()
     tag = FLAGS.tag or "row_matmul_" + device.device_kind.replace(" ", "_")
     os.makedirs(FLAGS.out, exist_ok=True)

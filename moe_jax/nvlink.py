@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import custom_calls, manual_axes, nvlink_grad
+from moe_jax import nvlink_grad
+from moe_jax.ops import ffi
 from moe_jax.fp8 import FP8_BLOCK, FP8_MAX, dequantize, quantize_e4m3  # noqa: F401 (re-exported)
 from moe_jax.plan import worst_case_rows_per_peer
 
@@ -138,7 +139,7 @@ def device_ordinal_groups(axis_name: str, mesh_devices) -> np.ndarray:
     """[G, P] CUDA device ordinals (each in its own process) of every group
     along `axis_name`, rank order. mesh_devices: the mesh's devices in mesh
     order (`mesh.devices.flat`)."""
-    return group_layout(custom_calls.replica_groups(axis_name), mesh_devices).device_ordinals
+    return group_layout(ffi.replica_groups(axis_name), mesh_devices).device_ordinals
 
 
 class Channel(NamedTuple):
@@ -193,7 +194,7 @@ class Channel(NamedTuple):
 def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
                 mesh_devices, fp8: bool = False) -> Channel:
     """Validates the operands (at trace time) and names their channel."""
-    _check(x.ndim == 2 and x.dtype in custom_calls.FLOAT_DTYPES, "x",
+    _check(x.ndim == 2 and x.dtype in ffi.FLOAT_DTYPES, "x",
            f"must be [T, H] float32/bfloat16/float16, got {x.dtype}{list(x.shape)}")
     _check((x.shape[1] * x.dtype.itemsize) % 16 == 0, "x",
            f"rows must be a multiple of 16 bytes, got H={x.shape[1]} of {x.dtype}")
@@ -204,7 +205,7 @@ def channel_for(x, expert_ids, *, experts_per_rank: int, axis_name: str,
         _check(x.dtype == jnp.bfloat16 and x.shape[1] % 512 == 0, "x",
                f"must be bfloat16 with H a multiple of 512 for fp8 dispatch, got "
                f"{x.dtype}{list(x.shape)}")
-    layout = group_layout(custom_calls.replica_groups(axis_name), mesh_devices)
+    layout = group_layout(ffi.replica_groups(axis_name), mesh_devices)
     _check(1 <= experts_per_rank <= 256
            and layout.device_ordinals.shape[1] * experts_per_rank <= 1024,
            "experts_per_rank", f"must be in [1, 256] with P * E_local <= 1024, "
@@ -228,15 +229,9 @@ def _check_weights(expert_ids, weights) -> None:
 def _call(target, channel: Channel, axis_name, out_types, operands, same_on_every_rank=()):
     """The custom call; results listed in same_on_every_rank stay typed as
     invariant over the mesh axes (they are), the others vary."""
-    custom_calls._require_handlers(target, "gpu")
-    axes = manual_axes.varying_axes(*operands) | {axis_name}
-    operands = [manual_axes.as_varying(o, axes) for o in operands]
-    results = jax.ffi.ffi_call(target, out_types, has_side_effect=True)(
-        *operands, **channel.attrs())
-    if not isinstance(results, (tuple, list)):
-        return manual_axes.as_varying(results, axes)
-    return tuple(r if i in same_on_every_rank else manual_axes.as_varying(r, axes)
-                 for i, r in enumerate(results))
+    ffi.require_handlers(target, "gpu")
+    return ffi.call_ffi(target, out_types, operands, channel.attrs(), extra_axes=(axis_name,),
+                        invariant_results=same_on_every_rank, has_side_effect=True)
 
 
 def dispatch_send(channel: Channel, x, expert_ids, *, axis_name: str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.custom_calls import _call_ffi, _check, _require_handlers
+from moe_jax.ops.ffi import call_ffi, check, require_handlers
 
 ROW_MATMUL = "moe_jax_row_matmul"
 
@@ -53,11 +53,11 @@ def grouped_matmul(x, w, group_sizes=None, *, impl: str = "custom_call",
     the device. Differentiable: the gradients are lax.ragged_dot's transposes
     (the CUTLASS kernels' own on the CUTLASS path).
     """
-    _check(impl in IMPLS, ROW_MATMUL, "impl", f"must be one of {IMPLS}, got {impl!r}")
-    _check(x.ndim == 2 and x.dtype in INPUT_DTYPES, ROW_MATMUL, "x",
+    check(impl in IMPLS, ROW_MATMUL, "impl", f"must be one of {IMPLS}, got {impl!r}")
+    check(x.ndim == 2 and x.dtype in INPUT_DTYPES, ROW_MATMUL, "x",
            f"must be a [M, K] float32/bfloat16 array, got {x.dtype}{list(x.shape)}")
     num_rows, depth = x.shape
-    _check(w.ndim == 3 and w.dtype == x.dtype and w.shape[1] == depth, ROW_MATMUL, "w",
+    check(w.ndim == 3 and w.dtype == x.dtype and w.shape[1] == depth, ROW_MATMUL, "w",
            f"must be [G, K={depth}, N] {x.dtype} (x's dtype and K), "
            f"got {w.dtype}{list(w.shape)}")
     num_groups, _, cols = w.shape
@@ -68,14 +68,14 @@ def grouped_matmul(x, w, group_sizes=None, *, impl: str = "custom_call",
     if gmm.cutlass_applies(x.dtype, depth, cols, platform):
         return gmm.grouped_matmul(x, w, group_sizes, out_dtype=jnp.float32, impl="cutlass",
                                   platform=platform)
-    _require_handlers(ROW_MATMUL, platform)
+    require_handlers(ROW_MATMUL, platform)
     return _row_matmul(x, w, group_sizes)
 
 
 @jax.custom_vjp
 def _row_matmul(x, w, group_sizes):
     out_type = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
-    return _call_ffi(ROW_MATMUL, out_type, (x, w, group_sizes), {},
+    return call_ffi(ROW_MATMUL, out_type, (x, w, group_sizes), {},
                      vmap_method="sequential")
 
 
@@ -100,18 +100,18 @@ def matmul(x, w, *, impl: str = "custom_call", platform: str | None = None) -> j
     with a single group: row i is bitwise a function of x[i] and w only.
     Graph-capturable on CUDA.
     """
-    _check(w.ndim == 2, ROW_MATMUL, "w", f"must be a [K, N] array, got {w.dtype}{list(w.shape)}")
+    check(w.ndim == 2, ROW_MATMUL, "w", f"must be a [K, N] array, got {w.dtype}{list(w.shape)}")
     return grouped_matmul(x, w[None], None, impl=impl, platform=platform)
 
 
 def _group_sizes_or_all_rows(group_sizes, num_groups: int, num_rows: int):
     """[G] int32 group sizes; None stands for one group holding all rows."""
     if group_sizes is None:
-        _check(num_groups == 1, ROW_MATMUL, "group_sizes",
+        check(num_groups == 1, ROW_MATMUL, "group_sizes",
                f"may be None only when w has G = 1 group, got G = {num_groups}")
         return jnp.full((1,), num_rows, jnp.int32)
     group_sizes = jnp.asarray(group_sizes)
-    _check(group_sizes.dtype == jnp.int32 and tuple(group_sizes.shape) == (num_groups,),
+    check(group_sizes.dtype == jnp.int32 and tuple(group_sizes.shape) == (num_groups,),
            ROW_MATMUL, "group_sizes",
            f"must be int32 of shape [G] = [{num_groups}] (G of w), "
            f"got {group_sizes.dtype}{list(group_sizes.shape)}")

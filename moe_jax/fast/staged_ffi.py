@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moe_jax import custom_calls
+from moe_jax.ops import ffi
 from moe_jax.fast.topology import Topology
 
 TARGET = "moe_jax_fast_staged_all_to_all"
@@ -31,14 +31,14 @@ TARGET = "moe_jax_fast_staged_all_to_all"
 
 def available() -> bool:
   """Whether this installation registered the CUDA handler."""
-  return TARGET in custom_calls.register().get("CUDA", ())
+  return TARGET in ffi.register().get("CUDA", ())
 
 
 def ffi_all_to_all(x, traffic, *, axis_name: str, topology: Topology,
                    out_rows: int, ws_rows: int):
   """[out_rows, ...] x.dtype: the staged all-to-all, inside shard_map on GPUs."""
-  custom_calls._require_handlers(TARGET, "gpu")
-  groups = custom_calls.replica_groups(axis_name)
+  ffi.require_handlers(TARGET, "gpu")
+  groups = ffi.replica_groups(axis_name)
   tail = tuple(x.shape[1:])
   out_types = (jax.ShapeDtypeStruct((out_rows,) + tail, x.dtype),
                jax.ShapeDtypeStruct((ws_rows,) + tail, x.dtype))
@@ -47,6 +47,6 @@ def ffi_all_to_all(x, traffic, *, axis_name: str, topology: Topology,
                communication_id=np.int64(0),
                num_servers=np.int64(topology.num_servers),
                gpus_per_server=np.int64(topology.gpus_per_server))
-  out, _ = custom_calls._call_ffi(TARGET, out_types, (x, traffic), attrs,
+  out, _ = ffi.call_ffi(TARGET, out_types, (x, traffic), attrs,
                                   extra_axes=(axis_name,), has_side_effect=True)
   return out

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import row_invariant
-from moe_jax.custom_calls import _call_ffi, _check, _require_handlers, available_platforms
+from moe_jax.ops.ffi import available_platforms, call_ffi, check, require_handlers
 
 GROUPED_MATMUL = "moe_jax_grouped_matmul"
 IMPLS = ("auto", "cutlass", "row_invariant", "xla")
@@ -59,7 +59,7 @@ def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
     Columns alternate blocks of b = gate_up_block(F) gate columns and the b
     up columns of the same indices: [g_0..g_b-1, u_0..u_b-1, g_b.., u_b..].
     """
-    _check(w_gate.shape == w_up.shape and w_gate.ndim >= 2, "fuse_gate_up", "w_up",
+    check(w_gate.shape == w_up.shape and w_gate.ndim >= 2, "fuse_gate_up", "w_up",
            f"must have w_gate's shape {list(w_gate.shape)}, got {list(w_up.shape)}")
     *lead, ffn = w_gate.shape
     block = gate_up_block(ffn)
@@ -71,7 +71,7 @@ def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
 def split_gate_up(w_gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The inverse of fuse_gate_up: [..., 2F] -> ([..., F] gate, [..., F] up)."""
     *lead, two_f = w_gate_up.shape
-    _check(two_f % 2 == 0, "split_gate_up", "w_gate_up",
+    check(two_f % 2 == 0, "split_gate_up", "w_gate_up",
            f"must have an even last dimension 2F, got {list(w_gate_up.shape)}")
     ffn = two_f // 2
     block = gate_up_block(ffn)
@@ -102,31 +102,31 @@ def cutlass_applies(dtype, k: int, n: int, platform: str | None = None) -> bool:
 
 
 def _resolve(impl: str, dtype, k: int, n: int, platform: str | None) -> str:
-    _check(impl in IMPLS, GROUPED_MATMUL, "impl", f"must be one of {IMPLS}, got {impl!r}")
+    check(impl in IMPLS, GROUPED_MATMUL, "impl", f"must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         return "cutlass" if cutlass_applies(dtype, k, n, platform) else "xla"
     if impl == "row_invariant":
         return "cutlass" if cutlass_applies(dtype, k, n, platform) else "row_matmul"
     if impl == "cutlass":
         plat = _platform(platform)
-        _check(plat == "gpu" and _on_hopper(plat), GROUPED_MATMUL, "impl",
+        check(plat == "gpu" and _on_hopper(plat), GROUPED_MATMUL, "impl",
                "'cutlass' needs a Hopper GPU (compute capability 9.0) as the platform, got "
                f"platform {plat!r}")
-        _check(jnp.dtype(dtype) in CUTLASS_DTYPES, GROUPED_MATMUL, "x",
+        check(jnp.dtype(dtype) in CUTLASS_DTYPES, GROUPED_MATMUL, "x",
                f"must be bfloat16 or float16 for impl='cutlass', got {jnp.dtype(dtype)}")
-        _check(k % 8 == 0 and n % 8 == 0, GROUPED_MATMUL, "w",
+        check(k % 8 == 0 and n % 8 == 0, GROUPED_MATMUL, "w",
                f"needs K and N multiples of 8 for impl='cutlass' (16-byte rows), got K={k}, N={n}")
     return impl
 
 
 def _check_operands(x, w, group_sizes):
-    _check(x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating), GROUPED_MATMUL, "x",
+    check(x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating), GROUPED_MATMUL, "x",
            f"must be a [M, K] floating array, got {x.dtype}{list(x.shape)}")
-    _check(w.ndim == 3 and w.dtype == x.dtype and w.shape[1] == x.shape[1], GROUPED_MATMUL, "w",
+    check(w.ndim == 3 and w.dtype == x.dtype and w.shape[1] == x.shape[1], GROUPED_MATMUL, "w",
            f"must be [G, K={x.shape[1]}, N] {x.dtype} (x's dtype and K), "
            f"got {w.dtype}{list(w.shape)}")
     group_sizes = jnp.asarray(group_sizes)
-    _check(group_sizes.dtype == jnp.int32 and tuple(group_sizes.shape) == (w.shape[0],),
+    check(group_sizes.dtype == jnp.int32 and tuple(group_sizes.shape) == (w.shape[0],),
            GROUPED_MATMUL, "group_sizes",
            f"must be int32 of shape [G] = [{w.shape[0]}] (G of w), "
            f"got {group_sizes.dtype}{list(group_sizes.shape)}")
@@ -154,7 +154,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     which = _resolve(impl, x.dtype, x.shape[1], w.shape[2], platform)
     if which == "cutlass":
-        _check(out_dtype in (jnp.dtype(jnp.float32), jnp.dtype(x.dtype)), GROUPED_MATMUL,
+        check(out_dtype in (jnp.dtype(jnp.float32), jnp.dtype(x.dtype)), GROUPED_MATMUL,
                "out_dtype", f"must be float32 or x's dtype for impl='cutlass', got {out_dtype}")
         return _cutlass_matmul(x, w, group_sizes, out_dtype)
     if which == "row_matmul":
@@ -178,7 +178,7 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
     """
     group_sizes = _check_operands(x, w_gate_up, group_sizes)
     two_f = w_gate_up.shape[2]
-    _check(two_f % 2 == 0, GROUPED_MATMUL, "w_gate_up",
+    check(two_f % 2 == 0, GROUPED_MATMUL, "w_gate_up",
            f"must have an even last dimension 2F, got {list(w_gate_up.shape)}")
     which = _resolve(impl, x.dtype, x.shape[1], two_f, platform)
     if which == "cutlass" and gate_up_block(two_f // 2) == _GATE_UP_BLOCK:
@@ -212,10 +212,10 @@ def _workspace_bytes(num_groups: int) -> int:
 
 
 def _cutlass_call(op: str, a, b, group_sizes, out_shape, out_dtype):
-    _require_handlers(GROUPED_MATMUL, "gpu")
+    require_handlers(GROUPED_MATMUL, "gpu")
     out_types = (jax.ShapeDtypeStruct(out_shape, out_dtype),
                  jax.ShapeDtypeStruct((_workspace_bytes(group_sizes.shape[0]),), jnp.uint8))
-    out, _ = _call_ffi(GROUPED_MATMUL, out_types, (a, b, group_sizes), {"op": op},
+    out, _ = call_ffi(GROUPED_MATMUL, out_types, (a, b, group_sizes), {"op": op},
                        vmap_method="sequential")
     return out
 

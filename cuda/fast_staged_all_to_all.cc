@@ -28,7 +28,6 @@
 #include "fast_staged_all_to_all.h"
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -38,12 +37,13 @@
 #include <nccl.h>
 
 #include "collectives_ext.h"
-#include "ffi_messages.h"
 #include "nccl_loader.h"
+#include "replica_groups.h"
 #include "xla/ffi/api/collectives_api.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/fast/issue.h"
 #include "xla_ffi/fast/plan.h"
+#include "xla_ffi/ffi_checks.h"
 
 namespace ffi = xla::ffi;
 
@@ -52,49 +52,26 @@ namespace {
 
 constexpr std::string_view kName = "moe_jax_fast_staged_all_to_all";
 
-std::string Prefixed(std::string_view what) {
-  return std::string(kName) + ": " + std::string(what);
-}
-
 //===----------------------------------------------------------------------===//
 // Attributes
 //===----------------------------------------------------------------------===//
 
-// Checks the attributes; on success fills `groups` with views into
-// `replica_groups` (valid for this call).
+// Checks the attributes; on success sets *groups to the parsed replica groups.
 ffi::Error CheckAttrs(ffi::Span<const int64_t> replica_groups,
                       int64_t group_size, int64_t num_servers,
-                      int64_t gpus_per_server,
-                      std::vector<XLA_FFI_ReplicaGroup>* groups) {
-  if (group_size < 1 || group_size > INT_MAX) {
-    return BadAttr(kName, "group_size", group_size, "in [1, 2^31)");
-  }
+                      int64_t gpus_per_server, const ReplicaGroups** groups) {
+  ffi::ErrorOr<const ReplicaGroups*> parsed =
+      ParseReplicaGroups(replica_groups, group_size, kName);
+  if (!parsed.has_value()) return parsed.error();
   if (num_servers < 1 || gpus_per_server < 1 ||
       num_servers * gpus_per_server != group_size) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attributes `num_servers` x `gpus_per_server` must equal group_size = " +
-        std::to_string(group_size) + ", got " + std::to_string(num_servers) +
-        " x " + std::to_string(gpus_per_server)));
+    return Invalid(kName,
+                   "attributes `num_servers` x `gpus_per_server` must equal "
+                   "group_size = " + std::to_string(group_size) + ", got " +
+                       std::to_string(num_servers) + " x " +
+                       std::to_string(gpus_per_server));
   }
-  const size_t n = replica_groups.size();
-  const size_t gs = static_cast<size_t>(group_size);
-  if (n == 0 || n % gs != 0) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attribute `replica_groups` must hold G >= 1 groups of group_size = " +
-        std::to_string(group_size) + " ids, flattened; got " +
-        std::to_string(n) + " ids"));
-  }
-  std::vector<int64_t> sorted(replica_groups.begin(), replica_groups.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (sorted.front() < 0 ||
-      std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attribute `replica_groups` must hold distinct non-negative ids"));
-  }
-  groups->clear();
-  for (size_t g = 0; g < n; g += gs) {
-    groups->push_back(XLA_FFI_ReplicaGroup{replica_groups.begin() + g, gs});
-  }
+  *groups = *parsed;
   return ffi::Error::Success();
 }
 
@@ -142,8 +119,7 @@ ffi::Error CheckBuffers(const ffi::AnyBuffer& x, const ffi::AnyBuffer& traffic,
                            out.untyped_data() == nullptr ||
                            traffic.untyped_data() == nullptr ||
                            (s->ws_rows > 0 && ws.untyped_data() == nullptr))) {
-    return ffi::Error::InvalidArgument(
-        Prefixed("an operand or result has a null data pointer"));
+    return Invalid(kName, "an operand or result has a null data pointer");
   }
   return ffi::Error::Success();
 }
@@ -153,13 +129,12 @@ ffi::Error CheckBuffers(const ffi::AnyBuffer& x, const ffi::AnyBuffer& traffic,
 //===----------------------------------------------------------------------===//
 
 std::string CudaText(const char* call, cudaError_t err) {
-  return std::string(kName) + ": " + call + " failed: " + cudaGetErrorName(err) +
-         ": " + cudaGetErrorString(err);
+  return Prefixed(kName, std::string(call) + " failed: " + CudaErrorText(err));
 }
 
 std::string NcclText(const NcclApi& nccl, const char* call, ncclResult_t r,
                      ncclComm_t comm) {
-  return Prefixed(NcclErrorMessage(nccl, call, r, comm));
+  return Prefixed(kName, NcclErrorMessage(nccl, call, r, comm));
 }
 
 class NcclTransport {
@@ -248,13 +223,13 @@ ffi::Error PrepareImpl(CollectivesContext collectives,
                        ffi::Span<const int64_t> replica_groups,
                        int64_t group_size, int64_t communication_id,
                        int64_t num_servers, int64_t gpus_per_server) {
-  std::vector<XLA_FFI_ReplicaGroup> groups;
+  const ReplicaGroups* groups = nullptr;
   if (ffi::Error err = CheckAttrs(replica_groups, group_size, num_servers,
                                   gpus_per_server, &groups);
       err.failure()) {
     return err;
   }
-  return collectives.RequestFlattened(groups, communication_id, kName);
+  return collectives.RequestFlattened(groups->views, communication_id, kName);
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
@@ -264,7 +239,7 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
                        ffi::Span<const int64_t> replica_groups,
                        int64_t group_size, int64_t communication_id,
                        int64_t num_servers, int64_t gpus_per_server) {
-  std::vector<XLA_FFI_ReplicaGroup> groups;
+  const ReplicaGroups* groups = nullptr;
   if (ffi::Error err = CheckAttrs(replica_groups, group_size, num_servers,
                                   gpus_per_server, &groups);
       err.failure()) {
@@ -278,28 +253,15 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
 
   std::string load_error;
   const NcclApi* nccl = LoadNccl(&load_error);
-  if (nccl == nullptr) return ffi::Error::Internal(Prefixed(load_error));
+  if (nccl == nullptr) return Internal(kName, load_error);
   ffi::ErrorOr<XLA_FFI_Communicator*> handle =
-      collectives.GetFlattened(groups, communication_id, kName);
+      collectives.GetFlattened(groups->views, communication_id, kName);
   if (!handle.has_value()) return handle.error();
   ncclComm_t comm = reinterpret_cast<ncclComm_t>(*handle);
-  int count = 0;
-  if (ncclResult_t r = nccl->CommCount(comm, &count); r != ncclSuccess) {
-    return ffi::Error::Internal(NcclText(*nccl, "ncclCommCount", r, comm));
-  }
-  if (count != group_size) {
-    return ffi::Error::Internal(Prefixed(
-        "XLA's communicator has " + std::to_string(count) +
-        " ranks but group_size is " + std::to_string(group_size)));
-  }
   int rank = -1;
-  if (ncclResult_t r = nccl->CommUserRank(comm, &rank); r != ncclSuccess) {
-    return ffi::Error::Internal(NcclText(*nccl, "ncclCommUserRank", r, comm));
-  }
-  if (rank < 0 || rank >= count) {
-    return ffi::Error::Internal(Prefixed("ncclCommUserRank gave rank " +
-                                         std::to_string(rank) + " of " +
-                                         std::to_string(count)));
+  if (std::string err = CommRank(*nccl, comm, group_size, &rank);
+      !err.empty()) {
+    return Internal(kName, err);
   }
 
   // The traffic matrix, on the host (waits for everything before it on
@@ -328,12 +290,11 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
     case fast::PlanFailure::kNone:
       break;
     case fast::PlanFailure::kTraffic:
-      return ffi::Error::InvalidArgument(
-          Prefixed("operand `traffic`: " + planned.message));
+      return Invalid(kName, "operand `traffic`: " + planned.message);
     case fast::PlanFailure::kWorkspace:
-      return ffi::Error::InvalidArgument(Prefixed(planned.message));
+      return Invalid(kName, planned.message);
     case fast::PlanFailure::kInternal:
-      return ffi::Error::Internal(Prefixed(planned.message));
+      return Internal(kName, planned.message);
   }
   if (sizes.row_bytes == 0) return ffi::Error::Success();  // nothing to move
 

@@ -10,10 +10,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "ffi_messages.h"
 #include "grouped_gemm.h"
 #include "handlers_cuda.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_checks.h"
 
 namespace ffi = xla::ffi;
 

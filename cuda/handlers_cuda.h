@@ -1,10 +1,13 @@
-// XLA FFI handlers of the CUDA platform (see docs/design/custom_calls.md).
+// XLA FFI handlers of the single-GPU ops on the CUDA platform (see
+// docs/design/custom_calls.md). The collectives declare theirs in
+// nvlink_handlers.h, nccl_all_to_all.h and fast_staged_all_to_all.h.
 #ifndef MOE_JAX_CUDA_HANDLERS_CUDA_H_
 #define MOE_JAX_CUDA_HANDLERS_CUDA_H_
 
 #include "xla/ffi/api/api.h"
 
-// Registered as "moe_jax_pack" / "moe_jax_combine" for platform "CUDA".
+// Registered as "moe_jax_pack" / "moe_jax_combine" for platform "CUDA"
+// (pack_combine_handler.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxPackCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MoeJaxCombineCuda);
 

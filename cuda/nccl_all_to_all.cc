@@ -20,24 +20,19 @@
 #include "nccl_all_to_all.h"
 
 #include <algorithm>
-#include <atomic>
-#include <climits>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
-#include <vector>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include "collectives_ext.h"
-#include "ffi_messages.h"
 #include "nccl_loader.h"
+#include "replica_groups.h"
 #include "xla/ffi/api/collectives_api.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_checks.h"
 
 namespace ffi = xla::ffi;
 
@@ -45,93 +40,6 @@ namespace moe_jax::cuda {
 namespace {
 
 constexpr std::string_view kName = "moe_jax_nccl_all_to_all";
-
-std::string Prefixed(std::string_view what) {
-  return std::string(kName) + ": " + std::string(what);
-}
-
-//===----------------------------------------------------------------------===//
-// Replica groups: validated once per distinct attribute value, then cached.
-//===----------------------------------------------------------------------===//
-
-// One distinct (replica_groups, group_size) value, in the C layout that the
-// collectives extension takes. Never freed (a process sees few distinct
-// values: one per compiled collective configuration).
-struct GroupSet {
-  int64_t group_size = 0;
-  std::vector<int64_t> ids;                 // the attribute, flattened
-  std::vector<XLA_FFI_ReplicaGroup> raw;    // views into `ids`
-
-  bool Matches(ffi::Span<const int64_t> flat, int64_t size) const {
-    return group_size == size && ids.size() == flat.size() &&
-           (flat.size() == 0 ||
-            std::memcmp(ids.data(), flat.begin(),
-                        flat.size() * sizeof(int64_t)) == 0);
-  }
-};
-
-ffi::Error ValidateGroups(ffi::Span<const int64_t> flat, int64_t group_size) {
-  if (group_size < 1 || group_size > INT_MAX) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attribute `group_size` must be in [1, 2^31), got " +
-        std::to_string(group_size)));
-  }
-  const size_t n = flat.size();
-  if (n == 0 || n % static_cast<size_t>(group_size) != 0) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attribute `replica_groups` must hold G >= 1 groups of group_size = " +
-        std::to_string(group_size) + " ids, flattened; got " +
-        std::to_string(n) + " ids"));
-  }
-  std::vector<int64_t> sorted(flat.begin(), flat.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (sorted.front() < 0) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attribute `replica_groups` holds a negative id " +
-        std::to_string(sorted.front())));
-  }
-  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  if (dup != sorted.end()) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "attribute `replica_groups` names id " + std::to_string(*dup) +
-        " more than once"));
-  }
-  return ffi::Error::Success();
-}
-
-// The cached GroupSet equal to the attribute. The fast path (same value as
-// this thread's previous call) takes no lock and does no heap work; a miss
-// locks a mutex and searches the (short) list; a new value is validated and
-// added once.
-ffi::ErrorOr<const GroupSet*> Groups(ffi::Span<const int64_t> flat,
-                                     int64_t group_size) {
-  thread_local const GroupSet* last = nullptr;
-  if (last != nullptr && last->Matches(flat, group_size)) return last;
-
-  static std::mutex mu;
-  static auto* sets = new std::vector<std::unique_ptr<GroupSet>>();
-  std::lock_guard<std::mutex> lock(mu);
-  for (const std::unique_ptr<GroupSet>& s : *sets) {
-    if (s->Matches(flat, group_size)) {
-      last = s.get();
-      return last;
-    }
-  }
-  if (ffi::Error err = ValidateGroups(flat, group_size); err.failure()) {
-    return err;
-  }
-  auto set = std::make_unique<GroupSet>();
-  set->group_size = group_size;
-  set->ids.assign(flat.begin(), flat.end());
-  const size_t gs = static_cast<size_t>(group_size);
-  set->raw.reserve(set->ids.size() / gs);
-  for (size_t g = 0; g < set->ids.size(); g += gs) {
-    set->raw.push_back(XLA_FFI_ReplicaGroup{set->ids.data() + g, gs});
-  }
-  sets->push_back(std::move(set));
-  last = sets->back().get();
-  return last;
-}
 
 //===----------------------------------------------------------------------===//
 // Operands
@@ -150,22 +58,23 @@ ffi::Error CheckPair(size_t i, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
   const auto dims = x.dimensions();
   if (!ByteSized(x.element_type()) || dims.size() < 1 ||
       dims[0] != group_size) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "operand " + std::to_string(i) +
-        " must have shape [P, C, ...] with P = group_size = " +
-        std::to_string(group_size) +
-        " and a dtype of whole-byte elements, got " + Describe(x)));
+    return Invalid(
+        kName, "operand " + std::to_string(i) +
+                   " must have shape [P, C, ...] with P = group_size = " +
+                   std::to_string(group_size) +
+                   " and a dtype of whole-byte elements, got " + Describe(x));
   }
   if (!SameShape(x, y)) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "result " + std::to_string(i) + " must have the dtype and shape of operand " +
-        std::to_string(i) + " (" + Describe(x) + "), got " + Describe(y)));
+    return Invalid(kName, "result " + std::to_string(i) +
+                              " must have the dtype and shape of operand " +
+                              std::to_string(i) + " (" + Describe(x) +
+                              "), got " + Describe(y));
   }
   *block_bytes = x.size_bytes() / static_cast<size_t>(group_size);
   if (*block_bytes != 0 &&
       (x.untyped_data() == nullptr || y.untyped_data() == nullptr)) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "operand/result " + std::to_string(i) + " has a null data pointer"));
+    return Invalid(kName, "operand/result " + std::to_string(i) +
+                              " has a null data pointer");
   }
   return ffi::Error::Success();
 }
@@ -176,7 +85,7 @@ ffi::Error CheckPair(size_t i, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
 
 ffi::Error NcclError(const NcclApi& nccl, const char* call, ncclResult_t r,
                      ncclComm_t comm) {
-  return ffi::Error::Internal(Prefixed(NcclErrorMessage(nccl, call, r, comm)));
+  return Internal(kName, NcclErrorMessage(nccl, call, r, comm));
 }
 
 //===----------------------------------------------------------------------===//
@@ -186,25 +95,26 @@ ffi::Error NcclError(const NcclApi& nccl, const char* call, ncclResult_t r,
 ffi::Error PrepareImpl(CollectivesContext collectives,
                        ffi::Span<const int64_t> replica_groups,
                        int64_t group_size, int64_t communication_id) {
-  ffi::ErrorOr<const GroupSet*> groups = Groups(replica_groups, group_size);
+  ffi::ErrorOr<const ReplicaGroups*> groups =
+      ParseReplicaGroups(replica_groups, group_size, kName);
   if (!groups.has_value()) return groups.error();
-  const GroupSet& g = **groups;
-  return collectives.RequestFlattened(g.raw, communication_id, kName);
+  return collectives.RequestFlattened((*groups)->views, communication_id,
+                                      kName);
 }
 
 ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
                        ffi::RemainingArgs args, ffi::RemainingRets rets,
                        ffi::Span<const int64_t> replica_groups,
                        int64_t group_size, int64_t communication_id) {
-  ffi::ErrorOr<const GroupSet*> groups = Groups(replica_groups, group_size);
+  ffi::ErrorOr<const ReplicaGroups*> groups =
+      ParseReplicaGroups(replica_groups, group_size, kName);
   if (!groups.has_value()) return groups.error();
-  const GroupSet& g = **groups;
 
   const size_t n = args.size();
   if (n == 0 || rets.size() != n) {
-    return ffi::Error::InvalidArgument(Prefixed(
-        "needs n >= 1 operands and as many results, got " + std::to_string(n) +
-        " operands and " + std::to_string(rets.size()) + " results"));
+    return Invalid(kName, "needs n >= 1 operands and as many results, got " +
+                              std::to_string(n) + " operands and " +
+                              std::to_string(rets.size()) + " results");
   }
   // Validate every pair before any NCCL call.
   size_t total_bytes = 0;
@@ -226,27 +136,15 @@ ffi::Error ExecuteImpl(cudaStream_t stream, CollectivesContext collectives,
   if (nccl == nullptr) return ffi::Error::Internal(load_error);
 
   ffi::ErrorOr<XLA_FFI_Communicator*> handle =
-      collectives.GetFlattened(g.raw, communication_id, kName);
+      collectives.GetFlattened((*groups)->views, communication_id, kName);
   if (!handle.has_value()) return handle.error();
   ncclComm_t comm = reinterpret_cast<ncclComm_t>(*handle);
 
-  int count = 0;
-  if (ncclResult_t r = nccl->CommCount(comm, &count); r != ncclSuccess) {
-    return NcclError(*nccl, "ncclCommCount", r, comm);
-  }
-  if (count != group_size) {
-    return ffi::Error::Internal(Prefixed(
-        "XLA's communicator has " + std::to_string(count) +
-        " ranks but group_size is " + std::to_string(group_size)));
-  }
+  const int count = static_cast<int>(group_size);
   int rank = -1;
-  if (ncclResult_t r = nccl->CommUserRank(comm, &rank); r != ncclSuccess) {
-    return NcclError(*nccl, "ncclCommUserRank", r, comm);
-  }
-  if (rank < 0 || rank >= count) {
-    return ffi::Error::Internal(Prefixed("ncclCommUserRank gave rank " +
-                                         std::to_string(rank) + " of " +
-                                         std::to_string(count)));
+  if (std::string err = CommRank(*nccl, comm, group_size, &rank);
+      !err.empty()) {
+    return Internal(kName, err);
   }
   if (total_bytes == 0) return ffi::Error::Success();  // nothing to move
 

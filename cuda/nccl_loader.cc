@@ -6,6 +6,7 @@
 #include <sched.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -142,6 +143,24 @@ ncclResult_t SettleNccl(const NcclApi& nccl, ncclComm_t comm, ncclResult_t resul
     result = q != ncclSuccess ? q : state;
   }
   return result;
+}
+
+std::string CommRank(const NcclApi& nccl, ncclComm_t comm, int64_t group_size, int* rank) {
+  int count = 0;
+  if (ncclResult_t r = nccl.CommCount(comm, &count); r != ncclSuccess) {
+    return NcclErrorMessage(nccl, "ncclCommCount", r, comm);
+  }
+  if (count != group_size) {
+    return "XLA's communicator has " + std::to_string(count) + " ranks but group_size is " +
+           std::to_string(group_size);
+  }
+  if (ncclResult_t r = nccl.CommUserRank(comm, rank); r != ncclSuccess) {
+    return NcclErrorMessage(nccl, "ncclCommUserRank", r, comm);
+  }
+  if (*rank < 0 || *rank >= count) {
+    return "ncclCommUserRank gave rank " + std::to_string(*rank) + " of " + std::to_string(count);
+  }
+  return std::string();
 }
 
 }  // namespace moe_jax::cuda

@@ -9,6 +9,7 @@
 #ifndef MOE_JAX_CUDA_NCCL_LOADER_H_
 #define MOE_JAX_CUDA_NCCL_LOADER_H_
 
+#include <cstdint>
 #include <string>
 
 #include <nccl.h>
@@ -57,6 +58,11 @@ std::string NcclErrorMessage(const NcclApi& nccl, const char* call,
 // operation is enqueued (what a blocking communicator's call returns after)
 // and returns its final result. Blocking communicators return `result` as is.
 ncclResult_t SettleNccl(const NcclApi& nccl, ncclComm_t comm, ncclResult_t result);
+
+// Sets *rank to this process's rank in `comm` (XLA's communicator of a
+// replica group) after checking that `comm` has group_size ranks. Returns ""
+// on success, else the error text (an NcclErrorMessage or the mismatch).
+std::string CommRank(const NcclApi& nccl, ncclComm_t comm, int64_t group_size, int* rank);
 
 }  // namespace moe_jax::cuda
 

@@ -34,10 +34,11 @@
 #include <cuda_runtime_api.h>
 
 #include "collectives_ext.h"
-#include "ffi_messages.h"
 #include "nvlink_channel.h"
 #include "nvlink_registry.h"
+#include "replica_groups.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_checks.h"
 #ifdef MOE_JAX_WITH_NCCL
 #include "nvlink_exchange.h"
 #endif
@@ -80,50 +81,53 @@ struct Site {
   const MaybeCollectives& collectives;
 };
 
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kName) + ": " + what);
-}
-
 ffi::Error ShapeOf(const Attrs& a, ChannelShape* shape) {
   if (a.group_size < 1 || a.group_size > kMaxRanks) {
-    return Invalid("attribute `group_size` must be in [1, " + std::to_string(kMaxRanks) +
-                   "] (one NVLink domain), got " + std::to_string(a.group_size));
+    return Invalid(kName, "attribute `group_size` must be in [1, " + std::to_string(kMaxRanks) +
+                              "] (one NVLink domain), got " + std::to_string(a.group_size));
   }
   if (a.device_ordinals.size() == 0 || a.device_ordinals.size() % a.group_size != 0) {
-    return Invalid("attribute `device_ordinals` must hold G * group_size ids, got " +
-                   std::to_string(a.device_ordinals.size()));
+    return Invalid(kName, "attribute `device_ordinals` must hold G * group_size ids, got " +
+                              std::to_string(a.device_ordinals.size()));
   }
   if (a.experts_per_rank < 1 || a.experts_per_rank > kMaxLocalExperts ||
       a.group_size * a.experts_per_rank > kMaxExperts) {
-    return Invalid("attribute `experts_per_rank` must be in [1, " +
-                   std::to_string(kMaxLocalExperts) + "] with group_size * experts_per_rank <= " +
-                   std::to_string(kMaxExperts) + ", got " + std::to_string(a.experts_per_rank));
+    return Invalid(
+        kName, "attribute `experts_per_rank` must be in [1, " + std::to_string(kMaxLocalExperts) +
+                   "] with group_size * experts_per_rank <= " + std::to_string(kMaxExperts) +
+                   ", got " + std::to_string(a.experts_per_rank));
   }
   if (a.tokens < 1 || a.top_k < 1 || a.tokens * a.top_k > (int64_t{1} << 30)) {
-    return Invalid("attributes `tokens` and `top_k` must be >= 1 with tokens * top_k < 2^30, "
-                   "got " + std::to_string(a.tokens) + " and " + std::to_string(a.top_k));
+    return Invalid(kName,
+                   "attributes `tokens` and `top_k` must be >= 1 with tokens * top_k < 2^30, got " +
+                       std::to_string(a.tokens) + " and " + std::to_string(a.top_k));
   }
   if (a.row_bytes < 16 || a.row_bytes % 16 != 0) {
-    return Invalid("attribute `row_bytes` (H * itemsize) must be a positive multiple of 16, "
-                   "got " + std::to_string(a.row_bytes));
+    return Invalid(kName,
+                   "attribute `row_bytes` (H * itemsize) must be a positive multiple of 16, got " +
+                       std::to_string(a.row_bytes));
   }
   if (a.dispatch_fp8 != 0 && (a.dispatch_fp8 != 1 || a.row_bytes % 1024 != 0)) {
-    return Invalid("attribute `dispatch_fp8` must be 0 or 1, and 1 needs bf16 rows with H a "
+    return Invalid(kName,
+                   "attribute `dispatch_fp8` must be 0 or 1, and 1 needs bf16 rows with H a "
                    "multiple of 512 (row_bytes a multiple of 1024), got dispatch_fp8=" +
-                   std::to_string(a.dispatch_fp8) + ", row_bytes=" + std::to_string(a.row_bytes));
+                       std::to_string(a.dispatch_fp8) +
+                       ", row_bytes=" + std::to_string(a.row_bytes));
   }
   if (a.multi_process != 0 &&
       (a.multi_process != 1 || a.replica_groups.size() != a.device_ordinals.size())) {
-    return Invalid("attribute `multi_process` must be 0 or 1, and 1 needs `replica_groups` of "
+    return Invalid(kName,
+                   "attribute `multi_process` must be 0 or 1, and 1 needs `replica_groups` of "
                    "G * group_size ids like `device_ordinals`, got multi_process=" +
-                   std::to_string(a.multi_process) + " with " +
-                   std::to_string(a.replica_groups.size()) + " replica group ids");
+                       std::to_string(a.multi_process) + " with " +
+                       std::to_string(a.replica_groups.size()) + " replica group ids");
   }
   const int64_t vectors_per_row = a.row_bytes / 16;
   const int64_t per_source = a.tokens * std::min(a.top_k, a.experts_per_rank);
   if (a.tokens * a.top_k * vectors_per_row >= (int64_t{1} << 31) ||
       a.group_size * per_source * vectors_per_row >= (int64_t{1} << 31)) {
-    return Invalid("tokens * top_k * H * itemsize / 16 and P * tokens * min(top_k, "
+    return Invalid(kName,
+                   "tokens * top_k * H * itemsize / 16 and P * tokens * min(top_k, "
                    "experts_per_rank) * H * itemsize / 16 must stay below 2^31");
   }
   shape->num_ranks = static_cast<int32_t>(a.group_size);
@@ -147,18 +151,6 @@ std::vector<int> Group(const Attrs& a, size_t g) {
 // Multi-process channels: XLA's communicator of the groups
 //===----------------------------------------------------------------------===//
 
-// The groups in the collectives extension's layout, views into the
-// attribute (valid for the call only).
-const std::vector<XLA_FFI_ReplicaGroup>& ReplicaGroups(const Attrs& a) {
-  thread_local std::vector<XLA_FFI_ReplicaGroup> groups;
-  groups.clear();
-  const size_t size = static_cast<size_t>(a.group_size);
-  for (size_t g = 0; g < a.replica_groups.size(); g += size) {
-    groups.push_back(XLA_FFI_ReplicaGroup{a.replica_groups.begin() + g, size});
-  }
-  return groups;
-}
-
 ffi::Error NeedCollectives(const MaybeCollectives& collectives, std::string_view stage) {
   if (collectives.has_value()) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -169,14 +161,20 @@ ffi::Error NeedCollectives(const MaybeCollectives& collectives, std::string_view
 
 ffi::Error RequestCommunicator(const Attrs& a, const MaybeCollectives& collectives) {
   if (ffi::Error err = NeedCollectives(collectives, "prepare"); err.failure()) return err;
-  return collectives->RequestFlattened(ReplicaGroups(a), /*communication_id=*/0, kName);
+  ffi::ErrorOr<const ReplicaGroups*> groups =
+      ParseReplicaGroups(a.replica_groups, a.group_size, kName);
+  if (!groups.has_value()) return groups.error();
+  return collectives->RequestFlattened((*groups)->views, /*communication_id=*/0, kName);
 }
 
 ffi::ErrorOr<void*> Communicator(const Attrs& a, const MaybeCollectives& collectives,
                                  std::string_view stage) {
   if (ffi::Error err = NeedCollectives(collectives, stage); err.failure()) return err;
+  ffi::ErrorOr<const ReplicaGroups*> groups =
+      ParseReplicaGroups(a.replica_groups, a.group_size, kName);
+  if (!groups.has_value()) return groups.error();
   ffi::ErrorOr<XLA_FFI_Communicator*> comm =
-      collectives->GetFlattened(ReplicaGroups(a), /*communication_id=*/0, kName);
+      collectives->GetFlattened((*groups)->views, /*communication_id=*/0, kName);
   if (!comm.has_value()) return comm.error();
   return static_cast<void*>(*comm);
 }
@@ -184,8 +182,7 @@ ffi::ErrorOr<void*> Communicator(const Attrs& a, const MaybeCollectives& collect
 ffi::Error NotCapturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaError_t err = cudaStreamIsCapturing(stream, &status); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kName) + ": cudaStreamIsCapturing failed: " +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+    return Internal(kName, "cudaStreamIsCapturing failed: " + CudaErrorText(err));
   }
   if (status == cudaStreamCaptureStatusNone) return ffi::Error::Success();
   return ffi::Error(
@@ -235,7 +232,8 @@ ffi::Error SharedView(const Attrs& a, const ChannelShape& shape, int32_t device,
   *view = *opened;
   return ffi::Error::Success();
 #else
-  return Invalid("this build has no NCCL (nccl.h was not found at build time), which a mesh "
+  return Invalid(kName,
+                 "this build has no NCCL (nccl.h was not found at build time), which a mesh "
                  "spanning processes needs for the handle exchange");
 #endif
 }
@@ -250,7 +248,7 @@ ffi::Error PrepareImpl(MaybeCollectives collectives, Attrs a) {
   if (a.multi_process) return RequestCommunicator(a, collectives);
   for (size_t g = 0; g * a.group_size < a.device_ordinals.size(); ++g) {
     std::string error;
-    if (GetChannel(Group(a, g), shape, &error) == nullptr) return Invalid(error);
+    if (GetChannel(Group(a, g), shape, &error) == nullptr) return Invalid(kName, error);
   }
   return ffi::Error::Success();
 }
@@ -280,27 +278,28 @@ ffi::Error Find(const Attrs& a, const Site& site, ChannelView* view) {
     if (channel == nullptr) {
       std::string error;
       channel = GetChannel(group, shape, &error);
-      if (channel == nullptr) return Invalid(error);
+      if (channel == nullptr) return Invalid(kName, error);
     }
     *view = channel->ViewFrom(static_cast<int>(i % a.group_size));
     return ffi::Error::Success();
   }
-  return Invalid("GPU " + std::to_string(device) +
-                 " is not in attribute `device_ordinals` (the devices of the mesh)");
+  return Invalid(kName, "GPU " + std::to_string(device) +
+                            " is not in attribute `device_ordinals` (the devices of the mesh)");
 }
 
 ffi::Error Launched(std::string_view call, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(kName) + "_" + std::string(call) +
-                              ": kernel launch failed: " + cudaGetErrorName(err) + ": " +
-                              cudaGetErrorString(err));
+  const std::string target = std::string(kName) + "_" + std::string(call);
+  return Internal(CustomCall(target), "kernel launch failed: " + CudaErrorText(err));
 }
 
-ffi::Error Need(bool ok, std::string_view call, std::string_view what, const std::string& want,
-                const ffi::AnyBuffer& got) {
+// INVALID_ARGUMENT "moe_jax_nvlink: <half>: <kind> `<name>` must be <want>,
+// got <got>" unless `ok`.
+ffi::Error Need(bool ok, std::string_view half, std::string_view kind, std::string_view name,
+                const std::string& want, const ffi::AnyBuffer& got) {
   if (ok) return ffi::Error::Success();
-  return Invalid(std::string(call) + ": " + std::string(what) + " must be " + want + ", got " +
-                 Describe(got));
+  const std::string call = Prefixed(kName, half);
+  return Mismatch(CustomCall(call), kind, name, want, got);
 }
 
 // What each half's kernels take, once its buffers are checked.
@@ -331,11 +330,11 @@ struct CombineRecvArgs {
 ffi::Error CheckDispatchSend(const ChannelView& ch, ffi::AnyBuffer x,
                              ffi::AnyBuffer expert_ids, Ret slot_pos, Ret send_counts,
                              const Attrs& a, DispatchSendArgs* args) {
-  const std::optional<ElemType> type = FloatType(x.element_type());
+  const std::optional<ElemType> type = ToFloatType(x.element_type());
   const bool fp8 = ch.shape.dispatch_fp8 != 0;
   if (auto e = Need(type && (!fp8 || *type == ElemType::kBF16) &&
                         HasDims(x, {a.tokens, a.row_bytes / ElemBytes(*type)}),
-                    "dispatch_send", "operand `x`",
+                    "dispatch_send", "operand", "x",
                     std::string(fp8 ? "bf16" : "f32/bf16/f16") +
                         " [tokens, row_bytes / itemsize]",
                     x);
@@ -344,7 +343,7 @@ ffi::Error CheckDispatchSend(const ChannelView& ch, ffi::AnyBuffer x,
   }
   if (auto e = Need(expert_ids.element_type() == ffi::DataType::S32 &&
                         HasDims(expert_ids, {a.tokens, a.top_k}),
-                    "dispatch_send", "operand `expert_ids`", Shape("s32", {a.tokens, a.top_k}),
+                    "dispatch_send", "operand", "expert_ids", Shape("s32", {a.tokens, a.top_k}),
                     expert_ids);
       e.failure()) {
     return e;
@@ -363,17 +362,18 @@ ffi::Error CheckDispatchRecv(const ChannelView& ch, Ret rows, Ret* scales,
   const int64_t want_rows = a.group_size * s.RowsPerSource();
   const bool fp8 = s.dispatch_fp8 != 0;
   if (fp8 != (scales != nullptr)) {
-    return Invalid(std::string("dispatch_recv: the channel ") +
-                   (fp8 ? "dispatches fp8 (dispatch_fp8=1): call the _fp8 target"
-                        : "does not dispatch fp8: call the target without _fp8"));
+    return Invalid(kName, std::string("dispatch_recv: the channel ") +
+                              (fp8 ? "dispatches fp8 (dispatch_fp8=1): call the _fp8 target"
+                                   : "does not dispatch fp8: call the target without _fp8"));
   }
-  const std::optional<ElemType> type = FloatType(rows->element_type());
+  const std::optional<ElemType> type = ToFloatType(rows->element_type());
   const bool rows_ok = fp8 ? rows->element_type() == ffi::DataType::F8E4M3FN &&
                                  HasDims(*rows, {want_rows, s.Hidden()})
                            : type && HasDims(*rows, {want_rows, a.row_bytes / ElemBytes(*type)});
-  if (auto e = Need(rows_ok, "dispatch_recv", "result `rows`",
-                    std::string(fp8 ? "f8e4m3fn" : "") + "[P * tokens * min(top_k, "
-                        "experts_per_rank) = " + std::to_string(want_rows) + ", H]",
+  if (auto e = Need(rows_ok, "dispatch_recv", "result", "rows",
+                    std::string(fp8 ? "f8e4m3fn" : "") +
+                        "[P * tokens * min(top_k, experts_per_rank) = " +
+                        std::to_string(want_rows) + ", H]",
                     *rows);
       e.failure()) {
     return e;
@@ -381,7 +381,7 @@ ffi::Error CheckDispatchRecv(const ChannelView& ch, Ret rows, Ret* scales,
   if (fp8) {
     if (auto e = Need((*scales)->element_type() == ffi::DataType::F32 &&
                           HasDims(**scales, {want_rows, s.Hidden() / 128}),
-                      "dispatch_recv", "result `scales`",
+                      "dispatch_recv", "result", "scales",
                       Shape("f32", {want_rows, s.Hidden() / 128}), **scales);
         e.failure()) {
       return e;
@@ -397,9 +397,9 @@ ffi::Error CheckDispatchRecv(const ChannelView& ch, Ret rows, Ret* scales,
 ffi::Error CheckCombineSend(const ChannelView& ch, ffi::AnyBuffer y,
                             ffi::AnyBuffer all_counts, const Attrs& a, CombineSendArgs* args) {
   const int64_t want_rows = a.group_size * ch.shape.RowsPerSource();
-  const std::optional<ElemType> type = FloatType(y.element_type());
+  const std::optional<ElemType> type = ToFloatType(y.element_type());
   if (auto e = Need(type && HasDims(y, {want_rows, a.row_bytes / ElemBytes(*type)}),
-                    "combine_send", "operand `y`",
+                    "combine_send", "operand", "y",
                     "[" + std::to_string(want_rows) + ", H] in x's dtype", y);
       e.failure()) {
     return e;
@@ -407,7 +407,7 @@ ffi::Error CheckCombineSend(const ChannelView& ch, ffi::AnyBuffer y,
   const int64_t p = a.group_size;
   if (auto e = Need(all_counts.element_type() == ffi::DataType::S32 &&
                         HasDims(all_counts, {p, p, a.experts_per_rank}),
-                    "combine_send", "operand `all_counts`",
+                    "combine_send", "operand", "all_counts",
                     Shape("s32", {p, p, a.experts_per_rank}), all_counts);
       e.failure()) {
     return e;
@@ -419,9 +419,9 @@ ffi::Error CheckCombineSend(const ChannelView& ch, ffi::AnyBuffer y,
 ffi::Error CheckCombineRecv(ffi::AnyBuffer expert_ids, ffi::AnyBuffer slot_pos,
                             ffi::AnyBuffer weights, Ret out, const Attrs& a,
                             CombineRecvArgs* args) {
-  const std::optional<ElemType> type = FloatType(out->element_type());
+  const std::optional<ElemType> type = ToFloatType(out->element_type());
   if (auto e = Need(type && HasDims(*out, {a.tokens, a.row_bytes / ElemBytes(*type)}),
-                    "combine_recv", "result `out`", "[tokens, H] in x's dtype", *out);
+                    "combine_recv", "result", "out", "[tokens, H] in x's dtype", *out);
       e.failure()) {
     return e;
   }
@@ -430,7 +430,7 @@ ffi::Error CheckCombineRecv(ffi::AnyBuffer expert_ids, ffi::AnyBuffer slot_pos,
         std::tuple{"slot_pos", &slot_pos, ffi::DataType::S32},
         std::tuple{"weights", &weights, ffi::DataType::F32}}) {
     if (auto e = Need(buf->element_type() == dtype && HasDims(*buf, {a.tokens, a.top_k}),
-                      "combine_recv", std::string("operand `") + name + "`",
+                      "combine_recv", "operand", name,
                       Shape(DTypeName(dtype), {a.tokens, a.top_k}), *buf);
         e.failure()) {
       return e;

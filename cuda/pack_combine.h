@@ -13,9 +13,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include "xla_ffi/float_type.h"
+
 namespace moe_jax::cuda {
 
-enum class ElemType : int { kF32, kBF16, kF16 };
+// f32 / bf16 / f16: the element types of the CPU kernels too.
+using ElemType = ::moe_jax::FloatType;
 
 inline int ElemBytes(ElemType t) { return t == ElemType::kF32 ? 4 : 2; }
 

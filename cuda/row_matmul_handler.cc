@@ -8,10 +8,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "ffi_messages.h"
 #include "handlers_cuda.h"
 #include "row_matmul.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_checks.h"
 
 namespace ffi = xla::ffi;
 
@@ -22,7 +22,7 @@ constexpr std::string_view kRowMatmul = "moe_jax_row_matmul";
 
 ffi::Error RowMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out) {
-  const std::optional<ElemType> type = FloatType(x.element_type());
+  const std::optional<ElemType> type = ToFloatType(x.element_type());
   if (!type || *type == ElemType::kF16 || x.dimensions().size() != 2) {
     return Bad(kRowMatmul, "x", "f32 or bf16 of rank 2 [M, K]", x);
   }

@@ -16,18 +16,20 @@ namespace moe_jax {
 namespace {
 
 namespace ffi = ::xla::ffi;
+using ffi_checks::Bad;
+using ffi_checks::BadAttr;
+using ffi_checks::BadResult;
+using ffi_checks::CustomCall;
 using ffi_checks::Dims;
+using ffi_checks::HasDims;
 using ffi_checks::Invalid;
-using ffi_checks::InvalidAttr;
 using ffi_checks::IsS32;
+using ffi_checks::Spelling;
+using ffi_checks::ToFloatType;
 
-constexpr char kPack[] = "moe_jax_pack";
-constexpr char kCombine[] = "moe_jax_combine";
-constexpr char kAllToAll[] = "moe_jax_all_to_all";
-
-ffi::Error Fail(const char* call, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(call) + ": " + what);
-}
+constexpr CustomCall kPack{"moe_jax_pack", Spelling::kCpu};
+constexpr CustomCall kCombine{"moe_jax_combine", Spelling::kCpu};
+constexpr CustomCall kAllToAll{"moe_jax_all_to_all", Spelling::kCpu};
 
 // ---------------------------------------------------------------------------
 // moe_jax_pack(x, sorted_slots, send_offsets, send_counts;
@@ -39,48 +41,47 @@ ffi::Error PackImpl(ffi::AnyBuffer x, ffi::AnyBuffer sorted_slots,
                     int64_t spill_capacity,
                     ffi::Result<ffi::AnyBuffer> cap_buf,
                     ffi::Result<ffi::AnyBuffer> spill_buf) {
-  const auto xt = ffi_checks::ToFloatType(x.element_type());
+  const auto xt = ToFloatType(x.element_type());
   if (!xt || x.dimensions().size() != 2) {
-    return Invalid(kPack, "operand", "x", "f32, bf16 or f16 of shape [T, H]", x);
+    return Bad(kPack, "x", "f32, bf16 or f16 of shape [T, H]", x);
   }
   const int64_t T = x.dimensions()[0], H = x.dimensions()[1];
-  if (top_k < 1) return InvalidAttr(kPack, "top_k", ">= 1", top_k);
-  if (start < 0) return InvalidAttr(kPack, "start", ">= 0", start);
-  if (capacity < 0) return InvalidAttr(kPack, "capacity", ">= 0", capacity);
+  if (top_k < 1) return BadAttr(kPack, "top_k", top_k, ">= 1");
+  if (start < 0) return BadAttr(kPack, "start", start, ">= 0");
+  if (capacity < 0) return BadAttr(kPack, "capacity", capacity, ">= 0");
   if (spill_capacity < 0) {
-    return InvalidAttr(kPack, "spill_capacity", ">= 0", spill_capacity);
+    return BadAttr(kPack, "spill_capacity", spill_capacity, ">= 0");
   }
   const auto ss = sorted_slots.dimensions();
   if (sorted_slots.element_type() != ffi::DataType::S32 || ss.size() != 1 ||
       ss[0] % top_k != 0 || ss[0] / top_k != T) {
-    return Invalid(kPack, "operand", "sorted_slots",
-                   "int32 of shape [N] with N = T * top_k = " +
-                       std::to_string(T) + " * " + std::to_string(top_k),
-                   sorted_slots);
+    return Bad(kPack, "sorted_slots",
+               "int32 of shape [N] with N = T * top_k = " + std::to_string(T) +
+                   " * " + std::to_string(top_k),
+               sorted_slots);
   }
   if (send_offsets.element_type() != ffi::DataType::S32 ||
       send_offsets.dimensions().size() != 1) {
-    return Invalid(kPack, "operand", "send_offsets", "int32 of shape [P]",
-                   send_offsets);
+    return Bad(kPack, "send_offsets", "int32 of shape [P]", send_offsets);
   }
   const int64_t P = send_offsets.dimensions()[0];
   if (!IsS32(send_counts, {P})) {
-    return Invalid(kPack, "operand", "send_counts",
-                   "int32 of shape [P] = " + Dims({P}), send_counts);
+    return Bad(kPack, "send_counts", "int32 of shape [P] = " + Dims({P}),
+               send_counts);
   }
   if (cap_buf->element_type() != x.element_type() ||
-      !ffi_checks::HasDims(*cap_buf, {P, capacity, H})) {
-    return Invalid(kPack, "result", "cap_buf",
-                   "of x's dtype and shape [P, capacity, H] = " +
-                       Dims({P, capacity, H}),
-                   *cap_buf);
+      !HasDims(*cap_buf, {P, capacity, H})) {
+    return BadResult(
+        kPack, "cap_buf",
+        "of x's dtype and shape [P, capacity, H] = " + Dims({P, capacity, H}),
+        *cap_buf);
   }
   if (spill_buf->element_type() != x.element_type() ||
-      !ffi_checks::HasDims(*spill_buf, {P, spill_capacity, H})) {
-    return Invalid(kPack, "result", "spill_buf",
-                   "of x's dtype and shape [P, spill_capacity, H] = " +
-                       Dims({P, spill_capacity, H}),
-                   *spill_buf);
+      !HasDims(*spill_buf, {P, spill_capacity, H})) {
+    return BadResult(kPack, "spill_buf",
+                     "of x's dtype and shape [P, spill_capacity, H] = " +
+                         Dims({P, spill_capacity, H}),
+                     *spill_buf);
   }
   cpu::PackArgs a;
   a.x = x.untyped_data();
@@ -97,7 +98,7 @@ ffi::Error PackImpl(ffi::AnyBuffer x, ffi::AnyBuffer sorted_slots,
   a.cap_buf = cap_buf->untyped_data();
   a.spill_buf = spill_buf->untyped_data();
   const std::string err = cpu::Pack(a);
-  if (!err.empty()) return Fail(kPack, err);
+  if (!err.empty()) return Invalid(kPack, err);
   return ffi::Error::Success();
 }
 
@@ -108,42 +109,42 @@ ffi::Error CombineImpl(ffi::AnyBuffer cap_ret, ffi::AnyBuffer spill_ret,
                        ffi::AnyBuffer dest, ffi::AnyBuffer pos,
                        ffi::AnyBuffer weights, int64_t start,
                        ffi::Result<ffi::AnyBuffer> out) {
-  const auto in_t = ffi_checks::ToFloatType(cap_ret.element_type());
+  const auto in_t = ToFloatType(cap_ret.element_type());
   if (!in_t || cap_ret.dimensions().size() != 3) {
-    return Invalid(kCombine, "operand", "cap_ret",
-                   "f32, bf16 or f16 of shape [P, C, H]", cap_ret);
+    return Bad(kCombine, "cap_ret", "f32, bf16 or f16 of shape [P, C, H]",
+               cap_ret);
   }
   const int64_t P = cap_ret.dimensions()[0], C = cap_ret.dimensions()[1],
                 H = cap_ret.dimensions()[2];
   const auto sd = spill_ret.dimensions();
   if (spill_ret.element_type() != cap_ret.element_type() || sd.size() != 3 ||
       sd[0] != P || sd[2] != H) {
-    return Invalid(kCombine, "operand", "spill_ret",
-                   "of cap_ret's dtype and shape [P, S, H] with P = " +
-                       std::to_string(P) + ", H = " + std::to_string(H),
-                   spill_ret);
+    return Bad(kCombine, "spill_ret",
+               "of cap_ret's dtype and shape [P, S, H] with P = " +
+                   std::to_string(P) + ", H = " + std::to_string(H),
+               spill_ret);
   }
   const int64_t S = sd[1];
   if (weights.element_type() != ffi::DataType::F32 ||
       weights.dimensions().size() != 2 || weights.dimensions()[1] < 1) {
-    return Invalid(kCombine, "operand", "weights",
-                   "f32 of shape [T, k] with k >= 1", weights);
+    return Bad(kCombine, "weights", "f32 of shape [T, k] with k >= 1", weights);
   }
   const int64_t T = weights.dimensions()[0], k = weights.dimensions()[1];
   if (!IsS32(dest, {T * k})) {
-    return Invalid(kCombine, "operand", "dest",
-                   "int32 of shape [N] = [T * k] = " + Dims({T * k}), dest);
+    return Bad(kCombine, "dest",
+               "int32 of shape [N] = [T * k] = " + Dims({T * k}), dest);
   }
   if (!IsS32(pos, {T * k})) {
-    return Invalid(kCombine, "operand", "pos",
-                   "int32 of shape [N] = [T * k] = " + Dims({T * k}), pos);
+    return Bad(kCombine, "pos",
+               "int32 of shape [N] = [T * k] = " + Dims({T * k}), pos);
   }
-  const auto out_t = ffi_checks::ToFloatType(out->element_type());
-  if (!out_t || !ffi_checks::HasDims(*out, {T, H})) {
-    return Invalid(kCombine, "result", "out",
-                   "f32, bf16 or f16 of shape [T, H] = " + Dims({T, H}), *out);
+  const auto out_t = ToFloatType(out->element_type());
+  if (!out_t || !HasDims(*out, {T, H})) {
+    return BadResult(kCombine, "out",
+                     "f32, bf16 or f16 of shape [T, H] = " + Dims({T, H}),
+                     *out);
   }
-  if (start < 0) return InvalidAttr(kCombine, "start", ">= 0", start);
+  if (start < 0) return BadAttr(kCombine, "start", start, ">= 0");
   cpu::CombineArgs a;
   a.in_type = *in_t;
   a.out_type = *out_t;
@@ -161,7 +162,7 @@ ffi::Error CombineImpl(ffi::AnyBuffer cap_ret, ffi::AnyBuffer spill_ret,
   a.start = start;
   a.out = out->untyped_data();
   const std::string err = cpu::Combine(a);
-  if (!err.empty()) return Fail(kCombine, err);
+  if (!err.empty()) return Invalid(kCombine, err);
   return ffi::Error::Success();
 }
 
@@ -178,30 +179,27 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, int32_t device_ordinal,
   const auto send_dims = send.dimensions();
   const size_t elem_bytes = ffi::ByteWidth(send.element_type());
   if (send_dims.size() < 1 || elem_bytes == 0) {
-    return Invalid(kAllToAll, "operand", "send",
-                   "an array of rank >= 1 ([Ns, ...])", send);
+    return Bad(kAllToAll, "send", "an array of rank >= 1 ([Ns, ...])", send);
   }
   if (send_sizes.element_type() != ffi::DataType::S32 ||
       send_sizes.dimensions().size() != 1 || send_sizes.dimensions()[0] < 1) {
-    return Invalid(kAllToAll, "operand", "send_sizes",
-                   "int32 of shape [P] with P >= 1", send_sizes);
+    return Bad(kAllToAll, "send_sizes", "int32 of shape [P] with P >= 1",
+               send_sizes);
   }
   const int64_t P = send_sizes.dimensions()[0];
   if (!IsS32(send_offsets, {P})) {
-    return Invalid(kAllToAll, "operand", "send_offsets",
-                   "int32 of shape [P] = " + Dims({P}), send_offsets);
+    return Bad(kAllToAll, "send_offsets", "int32 of shape [P] = " + Dims({P}),
+               send_offsets);
   }
   if (!IsS32(recv_offsets, {P})) {
-    return Invalid(kAllToAll, "operand", "recv_offsets",
-                   "int32 of shape [P] = " + Dims({P}), recv_offsets);
+    return Bad(kAllToAll, "recv_offsets", "int32 of shape [P] = " + Dims({P}),
+               recv_offsets);
   }
   if (!IsS32(rank, {})) {
-    return Invalid(kAllToAll, "operand", "rank", "an int32 scalar (shape [])",
-                   rank);
+    return Bad(kAllToAll, "rank", "an int32 scalar (shape [])", rank);
   }
   if (!IsS32(group, {})) {
-    return Invalid(kAllToAll, "operand", "group", "an int32 scalar (shape [])",
-                   group);
+    return Bad(kAllToAll, "group", "an int32 scalar (shape [])", group);
   }
   const auto recv_dims = recv->dimensions();
   bool recv_ok = recv->element_type() == send.element_type() &&
@@ -210,18 +208,18 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, int32_t device_ordinal,
     recv_ok = recv_dims[i] == send_dims[i];
   }
   if (!recv_ok) {
-    return Invalid(kAllToAll, "result", "recv",
-                   "of send's dtype and row shape ([Nr, ...] with send = " +
-                       ffi_checks::Describe(send) + ")",
-                   *recv);
+    return BadResult(kAllToAll, "recv",
+                     "of send's dtype and row shape ([Nr, ...] with send = " +
+                         ffi_checks::Describe(send, Spelling::kCpu) + ")",
+                     *recv);
   }
   if (!IsS32(*recv_sizes, {P})) {
-    return Invalid(kAllToAll, "result", "recv_sizes",
-                   "int32 of shape [P] = " + Dims({P}), *recv_sizes);
+    return BadResult(kAllToAll, "recv_sizes",
+                     "int32 of shape [P] = " + Dims({P}), *recv_sizes);
   }
   int64_t row_elems = 1;
   for (size_t i = 1; i < send_dims.size(); ++i) row_elems *= send_dims[i];
-  const std::string dtype_name = ffi_checks::DtypeName(send.element_type());
+  const std::string dtype_name(ffi_checks::DTypeName(send.element_type()));
 
   cpu::AllToAllArgs a;
   a.key.run_id = run_id.run_id;
@@ -245,7 +243,7 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, int32_t device_ordinal,
   a.recv_sizes = static_cast<int32_t*>(recv_sizes->untyped_data());
   const std::string err = cpu::AllToAll(a, cpu::AllToAllTimeoutFromEnv(),
                                         cpu::GlobalAllToAllRendezvous());
-  if (!err.empty()) return Fail(kAllToAll, err);
+  if (!err.empty()) return Invalid(kAllToAll, err);
   return ffi::Error::Success();
 }
 

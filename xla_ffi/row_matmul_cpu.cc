@@ -80,10 +80,13 @@ namespace moe_jax {
 namespace {
 
 namespace ffi = ::xla::ffi;
+using ffi_checks::Bad;
+using ffi_checks::BadResult;
+using ffi_checks::CustomCall;
 using ffi_checks::Dims;
-using ffi_checks::Invalid;
+using ffi_checks::Spelling;
 
-constexpr char kRowMatmul[] = "moe_jax_row_matmul";
+constexpr CustomCall kRowMatmul{"moe_jax_row_matmul", Spelling::kCpu};
 
 // moe_jax_row_matmul(x, w, group_sizes) -> out
 ffi::Error RowMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -91,26 +94,24 @@ ffi::Error RowMatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::Result<ffi::AnyBuffer> out) {
   const auto xt = ffi_checks::ToFloatType(x.element_type());
   if (!xt || *xt == FloatType::kF16 || x.dimensions().size() != 2) {
-    return Invalid(kRowMatmul, "operand", "x", "f32 or bf16 of shape [M, K]",
-                   x);
+    return Bad(kRowMatmul, "x", "f32 or bf16 of shape [M, K]", x);
   }
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   const auto wd = w.dimensions();
   if (w.element_type() != x.element_type() || wd.size() != 3 || wd[1] != K) {
-    return Invalid(kRowMatmul, "operand", "w",
-                   "of x's dtype and shape [G, K, N] with K = " +
-                       std::to_string(K),
-                   w);
+    return Bad(kRowMatmul, "w",
+               "of x's dtype and shape [G, K, N] with K = " + std::to_string(K),
+               w);
   }
   const int64_t G = wd[0], N = wd[2];
   if (!ffi_checks::IsS32(group_sizes, {G})) {
-    return Invalid(kRowMatmul, "operand", "group_sizes",
-                   "int32 of shape [G] = " + Dims({G}), group_sizes);
+    return Bad(kRowMatmul, "group_sizes", "int32 of shape [G] = " + Dims({G}),
+               group_sizes);
   }
   if (out->element_type() != ffi::DataType::F32 ||
       !ffi_checks::HasDims(*out, {M, N})) {
-    return Invalid(kRowMatmul, "result", "out",
-                   "f32 of shape [M, N] = " + Dims({M, N}), *out);
+    return BadResult(kRowMatmul, "out", "f32 of shape [M, N] = " + Dims({M, N}),
+                     *out);
   }
   cpu::RowMatmulArgs a;
   a.in_type = *xt;

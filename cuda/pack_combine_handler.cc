@@ -1,20 +1,18 @@
 // FFI handlers for moe_jax_pack and moe_jax_combine on CUDA. They validate
 // the operands, then enqueue one kernel on XLA's stream: no allocation, no
 // synchronization, no host reads of device data (command-buffer compatible).
-#include "handlers_cuda.h"
-
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
 
 #include <cuda_runtime_api.h>
 
-#include "ffi_messages.h"
+#include "handlers_cuda.h"
 #include "pack_combine.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_checks.h"
 
 namespace ffi = xla::ffi;
 
@@ -42,7 +40,7 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return BadAttr(kPack, "spill_capacity", spill_capacity, ">= 0");
   }
 
-  const std::optional<ElemType> type = FloatType(x.element_type());
+  const std::optional<ElemType> type = ToFloatType(x.element_type());
   if (!type || x.dimensions().size() != 2) {
     return Bad(kPack, "x", "f32, bf16 or f16 of rank 2 [T, H]", x);
   }
@@ -101,7 +99,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer cap_ret,
                        ffi::Result<ffi::AnyBuffer> out, int64_t start) {
   if (start < 0) return BadAttr(kCombine, "start", start, ">= 0");
 
-  const std::optional<ElemType> in_type = FloatType(cap_ret.element_type());
+  const std::optional<ElemType> in_type = ToFloatType(cap_ret.element_type());
   if (!in_type || cap_ret.dimensions().size() != 3) {
     return Bad(kCombine, "cap_ret", "f32, bf16 or f16 of rank 3 [P, C, H]", cap_ret);
   }
@@ -131,7 +129,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer cap_ret,
   if (!IsS32Vector(pos) || pos.dimensions()[0] != N) {
     return Bad(kCombine, "pos", Shape("s32", {N}) + " (N = T * k of weights)", pos);
   }
-  const std::optional<ElemType> out_type = FloatType(out->element_type());
+  const std::optional<ElemType> out_type = ToFloatType(out->element_type());
   if (!out_type || !HasDims(*out, {T, H})) {
     return BadResult(kCombine, "out",
                "f32, bf16 or f16 of shape [" + std::to_string(T) + ", " +

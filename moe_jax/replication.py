@@ -44,17 +44,22 @@ The rebalancer
 :func:`propose` keeps every expert on its home slot of the default layout
 (expert ``e`` on rank ``e // (E / P)``, slot ``e % (E / P)``), so a rebalance
 moves only the spare slots' weights, and fills the ``S - E / P`` spare slots
-of each rank greedily:
+of each rank:
 
 1. candidates: the ``num_replicated`` experts with the largest load (ties:
-   lower id);
-2. repeat: for each candidate held by the busiest rank and each rank ``q``
-   that has a free spare slot and does not hold it, evaluate adding a replica
-   on ``q``; make the move with the smallest resulting busiest-rank load
-   (ties: smallest sum of squared rank loads, then lowest expert, rank);
-   stop when no move is possible;
-3. return the best placement seen along the way (the start, with no
-   replication, included), so the result is never worse than no replication.
+   lower id); only they get replicas;
+2. three searches, each scored by (busiest rank's expected load, sum of
+   squared rank loads): a greedy that adds one replica at a time (the move
+   with the best score, from the busiest rank's candidates or from any
+   candidate), keeping the best state seen; an enumeration of the
+   candidates' replica counts (at most 4096 vectors), each placed largest
+   per-replica load first on the least-loaded rank with a free spare slot
+   that lacks the expert; and a local search that moves or drops one extra
+   replica while the score improves, run on each result;
+3. the best result wins; the start (no replication) is among the states the
+   greedy scores, so the result is never worse than no replication. On
+   random tiny cases it stays within 2% of the brute-force optimum over the
+   same search space.
 
 Spare slots a proposal does not use hold an inert copy of the rank's first
 home expert. :class:`LoadTracker` keeps the EMA of per-expert loads that

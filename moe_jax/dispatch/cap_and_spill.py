@@ -12,7 +12,9 @@ both returned windows (positions [0, C + S) and [C + S, worst)), in the
 other branch over the first alone. A token's picks are thus summed in pick
 order in one float32 accumulation, whichever pass moved each of them, so the
 output has `dense`'s bits at any top-k (adding the fallback's partial sum to
-pass 1's would round a token's sum in another order).
+pass 1's would round a token's sum in another order). The backward does the
+same for the tokens' gradient: both windows' packs send their row gradients
+to one tap (passes.tap_tokens), summed per token in pick order once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.dispatch.context import DispatchContext
-from moe_jax.dispatch.passes import combine_windows, exchange_window, merge_delivered
+from moe_jax.dispatch.passes import (combine_windows, exchange_window, merge_delivered,
+                                     tap_tokens)
 from moe_jax.dispatch.stats import stream_stats
 from moe_jax.plan import worst_case_rows_per_peer
 
@@ -36,11 +39,14 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
     worst = worst_case_rows_per_peer(x.shape[0], plan.top_k, plan.experts_per_rank)
     cap = min(capacity, worst)
     spill = min(spill_capacity, worst - cap)
+    residual = worst - cap - spill
+    tap = None
+    if residual > 0 and not _measure_without_fallback:
+        x, tap = tap_tokens(x, plan.top_k)   # one pick-order sum of both windows' gradients
     returned, delivered = exchange_window(x, plan, recv_expert_counts, ctx, expert_fn,
                                           start=0, capacity=cap, spill_capacity=spill,
-                                          delivered_rows=delivered_rows)
+                                          delivered_rows=delivered_rows, tap=tap)
     stats = stream_stats(peer_counts, cap, spill, num_slots=plan.num_slots * ctx.num_ranks)
-    residual = worst - cap - spill
     if residual == 0 or _measure_without_fallback:
         return combine_windows(returned, None, weights, plan, ctx, start=0), stats, delivered
 
@@ -53,7 +59,7 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
         ctx.restore_chain(chain)
         more, more_delivered = exchange_window(
             x, plan, recv_expert_counts, fallback_ctx, expert_fn, start=cap + spill,
-            capacity=residual, delivered_rows=delivered_rows)
+            capacity=residual, delivered_rows=delivered_rows, tap=tap)
         out = combine_windows(returned, more, weights, plan, ctx, start=0)
         return out, more_delivered
 

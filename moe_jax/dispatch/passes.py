@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_jax import manual_axes
 from moe_jax.dispatch.context import DispatchContext
 from moe_jax.plan import DispatchPlan, exclusive_cumsum
 
@@ -85,8 +86,80 @@ def deliver(rows, canonical, recv_expert_counts, total_rows: int) -> Delivered:
     return Delivered(buf, valid, jnp.sum(recv_expert_counts, axis=0).astype(jnp.int32))
 
 
+def tap_tokens(x: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """(x, tap): x unchanged, and a [T * k, H] float32 zero array whose
+    cotangent collects every pick's row gradient at its slot t * k + j.
+
+    Packs that take the tap (`send_window(..., tap=tap)`) give x no gradient
+    of their own: each writes its window's row gradients into the tap's
+    (each slot travels in exactly one window, so the windows' tap cotangents
+    add exactly), and x's gradient is then the float32 sum of a token's picks
+    in pick order, rounded once: the transpose `pack` has in one window,
+    over every window together. So a strategy with several windows (the
+    cap-and-spill fallback) has dense's token gradient bits. The tap is
+    never read in the forward (XLA removes it); its cotangent costs one
+    [T * k, H] float32 buffer per window in the backward.
+    """
+
+    def primal(x):
+        tap = jnp.zeros((x.shape[0] * top_k,) + x.shape[1:], jnp.float32)
+        return x, manual_axes.as_varying(tap, manual_axes.varying_axes(x))
+
+    run = jax.custom_vjp(primal)
+
+    def fwd(x):
+        return primal(x), None
+
+    def bwd(_, cotangents):
+        g_x, g_tap = cotangents
+        picks = g_tap.reshape((g_tap.shape[0] // top_k, top_k) + g_tap.shape[1:])
+        acc = jnp.zeros(picks.shape[:1] + picks.shape[2:], jnp.float32)
+        for j in range(top_k):    # pick order, as pack's transpose sums
+            acc = acc + picks[:, j]
+        return ((acc + g_x.astype(jnp.float32)).astype(g_x.dtype),)
+
+    run.defvjp(fwd, bwd)
+    return run(x)
+
+
+def _tapped_pack(x, tap, plan: DispatchPlan, ctx: DispatchContext, *, start: int,
+                 width: int) -> jax.Array:
+    """ctx.pack of window [start, start + width) whose gradient goes to the
+    tap's slots (tap_tokens) instead of x."""
+
+    x_shape, x_dtype, x_axes = x.shape, x.dtype, manual_axes.varying_axes(x)
+
+    def primal(x, tap, sorted_slots, send_offsets, send_counts):
+        buf, _ = ctx.pack(x, sorted_slots, send_offsets, send_counts, top_k=plan.top_k,
+                          start=start, capacity=width, spill_capacity=0)
+        return buf
+
+    run = jax.custom_vjp(primal)
+
+    def fwd(x, tap, sorted_slots, send_offsets, send_counts):
+        return (primal(x, tap, sorted_slots, send_offsets, send_counts),
+                (sorted_slots, send_offsets, send_counts))
+
+    def bwd(residuals, g_buf):
+        sorted_slots, send_offsets, send_counts = residuals
+        zero_x = manual_axes.as_varying(jnp.zeros(x_shape, x_dtype), x_axes)
+        position = start + jnp.arange(width, dtype=jnp.int32)
+        in_stream = position[None, :] < send_counts[:, None]
+        index = jnp.minimum(send_offsets[:, None] + position[None, :], sorted_slots.shape[0] - 1)
+        slot = jnp.where(in_stream, sorted_slots[index], sorted_slots.shape[0])
+        g_tap = jnp.zeros((sorted_slots.shape[0],) + g_buf.shape[2:], jnp.float32)
+        g_tap = g_tap.at[slot.reshape(-1)].set(
+            g_buf.reshape((-1,) + g_buf.shape[2:]).astype(jnp.float32), mode="drop")
+        return zero_x, manual_axes.as_varying(g_tap, manual_axes.varying_axes(g_buf)), \
+            None, None, None
+
+    run.defvjp(fwd, bwd)
+    return run(x, tap, plan.sorted_slots, plan.send_offsets, plan.send_counts)
+
+
 def send_window(x: jax.Array, plan: DispatchPlan, ctx: DispatchContext, *, start: int,
-                capacity: int, spill_capacity: int = 0) -> jax.Array:
+                capacity: int, spill_capacity: int = 0, tap: jax.Array | None = None
+                ) -> jax.Array:
     """Dispatch half of a pass: pack, then all-to-all.
 
     Returns [P, capacity + spill_capacity, H]: row (src, c) holds stream
@@ -97,6 +170,8 @@ def send_window(x: jax.Array, plan: DispatchPlan, ctx: DispatchContext, *, start
     concatenation or split).
     """
     width = capacity + spill_capacity
+    if tap is not None:
+        return ctx.all_to_all(_tapped_pack(x, tap, plan, ctx, start=start, width=width))
     buf, _ = ctx.pack(x, plan.sorted_slots, plan.send_offsets, plan.send_counts,
                       top_k=plan.top_k, start=start, capacity=width, spill_capacity=0)
     return ctx.all_to_all(buf)
@@ -132,7 +207,8 @@ def combine_windows(returned: jax.Array, more: jax.Array | None, weights: jax.Ar
 
 def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Array,
                     ctx: DispatchContext, expert_fn: ExpertFn, *, start: int, capacity: int,
-                    spill_capacity: int = 0, delivered_rows: int | None = None):
+                    spill_capacity: int = 0, delivered_rows: int | None = None,
+                    tap: jax.Array | None = None):
     """Moves stream positions [start, start + W), W = capacity + spill_capacity,
     to the experts and their outputs back, without combining them.
 
@@ -141,6 +217,7 @@ def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Ar
       recv_expert_counts: [P, E_local] int32 rows each source sends to each
         of this rank's experts (from the counts exchange).
       delivered_rows: if given, also return a Delivered view of that size.
+      tap: from tap_tokens(x, k), for strategies of several windows.
     Returns:
       (returned [P, W, H] in x's dtype: row (p, c) is the expert output of
        this rank's stream position start + c to rank p, zero past the
@@ -148,7 +225,7 @@ def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Ar
     """
     num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
     rows = send_window(x, plan, ctx, start=start, capacity=capacity,
-                       spill_capacity=spill_capacity)
+                       spill_capacity=spill_capacity, tap=tap)
     width = capacity + spill_capacity
     src = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), width)
     q = jnp.tile(start + jnp.arange(width, dtype=jnp.int32), num_ranks)

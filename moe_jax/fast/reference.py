@@ -262,11 +262,9 @@ def stage_order(d: np.ndarray, matchings: np.ndarray, weights: np.ndarray
                 ) -> np.ndarray:
   """int64[S]: the order the BvN stages run in (any order is valid).
 
-  A stage's real units are ``min(weight, remaining D[a, pi(a)])``, largest
-  over servers (in decomposition order; the same pairs keep the same
-  units in any order as long as a pair's stages keep their relative
-  order, which a stable sort by weight does not guarantee, so the real
-  units are computed once here in decomposition order).  The lightest
+  A stage's size is its largest real unit count over servers,
+  ``min(weight, remaining D[a, pi(a)])`` computed in decomposition order
+  (the schedule then recomputes the real units in the new order).  The lightest
   stage runs first (its balancing precedes every scale-out), the others
   by descending size, so each stage's redistribution and the next stage's
   balancing overlap a scale-out stage of about their own size and the

@@ -17,16 +17,18 @@ Buffers of GPU ``g`` (rows of ``H`` elements each):
   bump-allocated in op order and never reused, so no slot is written twice.
 
 Which rows a transfer moves (any choice is exact as long as each row moves
-once; this one keeps every holding one contiguous range): balancing takes
-the *last* rows the source holds of the flow, scale-out, redistribution and
-the intra-server part the *first* rows.
+once): balancing reserves the *last* rows of the source's flow (receivers
+in stream order from the last row down) and moves them *by use*, front
+first; scale-out, redistribution and the intra-server part take the
+*first* rows held.
 
-Phases (what may run concurrently; the FAST pipeline, NSDI '26 section 4.3):
-phase 0 holds the local copies ``T[g, g]`` and balancing; phase ``k + 1``
-holds the scale-out of Birkhoff-von Neumann stage ``k`` and the
-redistribution of stage ``k - 1``; phase ``S + 1`` the last redistribution.
-The intra-server part runs with the first scale-out (phase 1), or in phase
-0 when there is no scale-out.  Every op of a phase reads only rows that
+Phases (what may run concurrently; the FAST pipeline, NSDI '26 section 4.3),
+one NCCL group each: phase 0 holds the local copies ``T[g, g]`` and the
+balancing of BvN stage 0's units; phase ``k + 1`` the scale-out of stage
+``k``, the intra-server part (k = 0) or the redistribution of stage
+``k - 1``, and the balancing of the units stage ``k + 1`` sends; phase
+``S + 1`` the last redistribution.  Without scale-out the intra-server part
+runs in phase 0.  Every op of a phase reads only rows that
 were in place when the phase began, and no two ops write the same row.
 
 ``moe_jax._fast.plan`` (xla_ffi/fast/plan.cc) builds the same ops in C++;

@@ -59,6 +59,15 @@ flags.DEFINE_float("mean_bytes", 50e6, "Mean bytes per GPU pair (simulation).")
 flags.DEFINE_float("zipf_skew", 0.9, "Zipf skewness.")
 flags.DEFINE_integer("seed", 0, "Matrix seed.")
 flags.DEFINE_string("device_label", "2-core CPU", "How to name the CPU.")
+flags.DEFINE_list("executed_shapes", ["4x8", "8x8", "40x8"],
+                  "servers x GPUs for the executed-plan table; empty: none.")
+flags.DEFINE_integer("executed_seeds", 10, "Matrices (seeds) per executed-plan "
+                     "configuration.")
+flags.DEFINE_integer("search_max_servers", 8,
+                     "Largest server count at which the executed-plan table "
+                     "also runs the simulator's layout search (slow above).")
+flags.DEFINE_string("suffix", "", "Appended to the output file stems "
+                    "(`_cpu` for the records under docs/benchmarks/fast/).")
 flags.DEFINE_string("out", None, "Output folder. Required: the records under docs/benchmarks/ are only written when named.")
 
 # FAST paper (NSDI '26), section 4.4 and Figure 16, 8 GPUs per server.
@@ -146,7 +155,9 @@ def run_runtime(rng):
 
 
 def write_runtime(results, meta):
-  stem = os.path.join(FLAGS.out, "fast_scheduler")
+  if not results:
+    return
+  stem = os.path.join(FLAGS.out, "fast_scheduler" + FLAGS.suffix)
   with open(stem + ".json", "w") as f:
     json.dump(dict(meta=meta, results=results), f, indent=1)
   lines = ["# FAST scheduler runtime (C++, moe_jax._fast)", "",
@@ -247,7 +258,7 @@ def run_simulation(rng, runtime):
 
 
 def write_simulation(results, meta, fabric):
-  stem = os.path.join(FLAGS.out, "fast_simulation")
+  stem = os.path.join(FLAGS.out, "fast_simulation" + FLAGS.suffix)
   with open(stem + ".json", "w") as f:
     json.dump(dict(meta=meta, results=results), f, indent=1)
   up, so = fabric.scale_up, fabric.scale_out
@@ -369,6 +380,141 @@ def write_simulation(results, meta, fabric):
   fig.savefig(stem + ".png", dpi=110)
 
 
+# NIC : NVLink bandwidth ratios of the executed-plan table: the paper's
+# H200 testbed and simulation (400G InfiniBand 50 GB/s vs NVLink 450 GB/s)
+# and its AMD testbed (100G RoCE 12.5 GB/s vs Infinity Fabric 448 GB/s).
+EXECUTED_FABRICS = {
+    "1:9": sim.Fabric(sim.Link(2e-6, 450e9), sim.Link(5e-6, 50e9)),
+    "1:35": sim.Fabric(sim.Link(2e-6, 448e9), sim.Link(5e-6, 12.5e9)),
+}
+EXECUTED_WORKLOADS = {"uniform": None, "zipf0.9": 0.9, "zipf1.2": 1.2}
+
+
+def _stats(xs):
+  xs = [x for x in xs if x is not None]
+  if not xs:
+    return None
+  return dict(min=float(np.min(xs)), median=float(np.median(xs)),
+              max=float(np.max(xs)))
+
+
+def run_executed():
+  """The plan that executes (``cpp.execution_plan``, what the custom call
+  issues) timed by ``simulator.executed_plan_time``, over the two-tier
+  bound, per seed; next to the simulator's layout search."""
+  results = []
+  for shape in FLAGS.executed_shapes:
+    n, m = map(int, shape.split("x"))
+    g = n * m
+    for kind, skew in EXECUTED_WORKLOADS.items():
+      per = {r: dict(executed=[], searched=[], bound_ratio=[], phases=[])
+             for r in EXECUTED_FABRICS}
+      t0 = time.perf_counter()
+      for seed in range(FLAGS.executed_seeds):
+        rng = np.random.default_rng([FLAGS.seed, g, seed])
+        t = (workloads.uniform_matrix(rng, g, FLAGS.mean_bytes)
+             if skew is None else
+             workloads.zipf_matrix(rng, g, skew, FLAGS.mean_bytes))
+        plan = cpp.execution_plan(t, n, m)
+        rows = None
+        if n <= FLAGS.search_max_servers:
+          d = cpp.schedule_arrays(t, n, m, True)
+          rows = np.concatenate([d["transfers"], d["redistribution"]])
+        for ratio, fabric in EXECUTED_FABRICS.items():
+          bound2 = sim.two_tier_bound_time(t, n, m, fabric)
+          ex = sim.executed_plan_time(plan, fabric)
+          per[ratio]["executed"].append(ex["total"] / bound2)
+          per[ratio]["phases"].append(int(plan.num_phases))
+          per[ratio]["bound_ratio"].append(
+              bound2 / sim.bound_time(t, n, m, fabric))
+          per[ratio]["searched"].append(
+              None if rows is None else sim.fast_time_from_rows(
+                  rows, d["weights"].shape[0], n, m, fabric)["total"] / bound2)
+      for ratio, v in per.items():
+        r = dict(shape=shape, servers=n, gpus_per_server=m, workload=kind,
+                 ratio=ratio, seeds=FLAGS.executed_seeds,
+                 executed_over_two_tier=_stats(v["executed"]),
+                 searched_over_two_tier=_stats(v["searched"]),
+                 two_tier_over_bound=_stats(v["bound_ratio"]),
+                 phases=_stats(v["phases"]), raw=v)
+        results.append(r)
+        e = r["executed_over_two_tier"]
+        print(f"executed {shape} {kind} {ratio}: {e['min']:.3f} / "
+              f"{e['median']:.3f} / {e['max']:.3f} "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+  return results
+
+
+def write_executed(results, meta):
+  stem = os.path.join(FLAGS.out, "fast_executed" + FLAGS.suffix)
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(meta=meta, results=results), f, indent=1)
+  fab = "; ".join(
+      f"{k}: NIC {v.scale_out.bandwidth_Bps / 1e9:g} GB/s (alpha "
+      f"{v.scale_out.alpha_s * 1e6:g} us) vs NVLink "
+      f"{v.scale_up.bandwidth_Bps / 1e9:g} GB/s (alpha "
+      f"{v.scale_up.alpha_s * 1e6:g} us)" for k, v in EXECUTED_FABRICS.items())
+  lines = ["# FAST: the executed plan's simulated completion time vs the "
+           "two-tier bound", "",
+           f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+           f"- commit: {meta.get('commit')}",
+           f"- computed on: {meta['device']}",
+           f"- Python {meta['python']}, numpy {meta['numpy']}, jax {meta['jax']}",
+           f"- fabrics (NIC : NVLink per GPU): {fab}",
+           f"- mean {FLAGS.mean_bytes / 1e6:.0f} MB per GPU pair; uniform "
+           "sizes in [0, 2 x mean], Zipf 0.9 / 1.2 over all G^2 entries; "
+           f"{FLAGS.executed_seeds} seeds per row (`np.random.default_rng("
+           "[seed, G, i]`)",
+           "- `executed`: `simulator.executed_plan_time` of "
+           "`cpp.execution_plan` (the ops the staged all-to-all issues: its "
+           "phases in sequence, one NCCL group each, every op of a phase at "
+           "once on its link, NVLink ops on the GPUs' scale-up send/receive "
+           "ports, inter-server ops on their NICs, full duplex; a phase "
+           "lasts max over tiers of alpha + busiest port / bandwidth) over "
+           "`simulator.two_tier_bound_time`; min / median / max over the "
+           "seeds",
+           "- `searched layout` (comparison only, not what executes): "
+           "`simulator.fast_time_from_rows` of the same schedule, the best "
+           "of its pipelined layouts (balancing chunks, stage orders) on "
+           "duplex ports; only up to "
+           f"{FLAGS.search_max_servers} servers",
+           "- `two-tier / bound`: the two-tier bound over the paper's bound "
+           "(heaviest server's inter-server bytes / (M x NIC bandwidth))", "",
+           "| servers x GPUs | traffic | NIC:NVLink | executed / two-tier "
+           "bound (min / median / max) | searched layout / two-tier bound "
+           "(comparison) | two-tier / bound (median) | phases (median) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+
+  def fmt(x):
+    return ("—" if x is None else
+            f"{x['min']:.3f} / {x['median']:.3f} / {x['max']:.3f}")
+
+  for r in results:
+    lines.append(
+        f"| {r['shape']} | {r['workload']} | {r['ratio']} | "
+        f"{fmt(r['executed_over_two_tier'])} | "
+        f"{fmt(r['searched_over_two_tier'])} | "
+        f"{r['two_tier_over_bound']['median']:.3f} | "
+        f"{r['phases']['median']:.0f} |")
+  with open(stem + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def _commit():
+  import subprocess
+  try:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=True)
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
+                            "--untracked-files=no"],
+                           capture_output=True, text=True, check=True)
+    return head.stdout.strip() + (" (with uncommitted changes)"
+                                  if dirty.stdout.strip() else "")
+  except (OSError, subprocess.CalledProcessError):
+    return None
+
+
 def main(argv):
   del argv
   if not FLAGS.out:
@@ -378,14 +524,18 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   rng = np.random.default_rng(FLAGS.seed)
   runtime = run_runtime(rng)
-  meta = _meta({})
+  meta = _meta({"commit": _commit()})
   write_runtime(runtime, meta)
-  print("wrote", os.path.join(FLAGS.out, "fast_scheduler.md"))
+  if runtime:
+    print("wrote", os.path.join(FLAGS.out, f"fast_scheduler{FLAGS.suffix}.md"))
+  if FLAGS.executed_shapes:
+    write_executed(run_executed(), meta)
+    print("wrote", os.path.join(FLAGS.out, f"fast_executed{FLAGS.suffix}.md"))
   if not FLAGS.sim_gpus:
     return
   results, fabric = run_simulation(rng, runtime)
   write_simulation(results, meta, fabric)
-  print("wrote", os.path.join(FLAGS.out, "fast_simulation.md"))
+  print("wrote", os.path.join(FLAGS.out, f"fast_simulation{FLAGS.suffix}.md"))
 
 
 if __name__ == "__main__":

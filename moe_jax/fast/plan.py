@@ -17,16 +17,18 @@ Buffers of GPU ``g`` (rows of ``H`` elements each):
   bump-allocated in op order and never reused, so no slot is written twice.
 
 Which rows a transfer moves (any choice is exact as long as each row moves
-once; this one keeps every holding one contiguous range): balancing takes
-the *last* rows the source holds of the flow, scale-out, redistribution and
-the intra-server part the *first* rows.
+once): balancing reserves the *last* rows of the source's flow (receivers
+in stream order from the last row down) and moves them *by use*, front
+first; scale-out, redistribution and the intra-server part take the
+*first* rows held.
 
-Phases (what may run concurrently; the FAST pipeline, NSDI '26 section 4.3):
-phase 0 holds the local copies ``T[g, g]`` and balancing; phase ``k + 1``
-holds the scale-out of Birkhoff-von Neumann stage ``k`` and the
-redistribution of stage ``k - 1``; phase ``S + 1`` the last redistribution.
-The intra-server part runs with the first scale-out (phase 1), or in phase
-0 when there is no scale-out.  Every op of a phase reads only rows that
+Phases (what may run concurrently; the FAST pipeline, NSDI '26 section 4.3),
+one NCCL group each: phase 0 holds the local copies ``T[g, g]`` and the
+balancing of BvN stage 0's units; phase ``k + 1`` the scale-out of stage
+``k``, the intra-server part (k = 0) or the redistribution of stage
+``k - 1``, and the balancing of the units stage ``k + 1`` sends; phase
+``S + 1`` the last redistribution.  Without scale-out the intra-server part
+runs in phase 0.  Every op of a phase reads only rows that
 were in place when the phase began, and no two ops write the same row.
 
 ``moe_jax._fast.plan`` (xla_ffi/fast/plan.cc) builds the same ops in C++;
@@ -198,43 +200,87 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int,
   if schedule is None:
     schedule = ref.fast_schedule(t, n, m)
   so, ro = send_offsets(t), recv_offsets(t)
+  s_bvn = schedule.num_bvn_stages
+  # Rows each balancing transfer of the schedule gives: the giver's tail,
+  # receivers in stream order from the last row down (as if all balancing
+  # ran at once).  They move by use, front first (``balance_phase``).
+  given = np.zeros((g, g), np.int64)
+  reserved: dict[tuple[int, int, int, int], list[list[int]]] = {}
+  for tr in ref._stage_of_kind(schedule, "balance").transfers:
+    fs, fd = tr.flow
+    given[fs, fd] += tr.amount
+    reserved.setdefault((fs, tr.dst_gpu, fs, fd), []).append(
+        [int(t[fs, fd] - given[fs, fd]), tr.amount])
+  for segs in reserved.values():
+    segs.reverse()  # front (lowest rows) first
   hold = _Holdings()
   for s in range(g):
     for d in range(g):
-      if s != d and t[s, d] > 0:
-        hold.add((s, s, d), 0, int(t[s, d]), X, int(so[s, d]), 0)
+      kept = int(t[s, d] - given[s, d])
+      if s != d and kept > 0:
+        hold.add((s, s, d), 0, kept, X, int(so[s, d]), 0)
   bump = np.zeros(g, np.int64)
   ops = []
   for s in range(g):
     if t[s, s] > 0:
       ops.append((0, s, s, int(t[s, s]), X, int(so[s, s]), OUT, int(ro[s, s]),
                   s, s, 0))
-  stages = [st for st in schedule.stages
-            if st.kind != "intra" or schedule.num_bvn_stages == 0]
-  intra = [st for st in schedule.stages
-           if st.kind == "intra" and schedule.num_bvn_stages > 0]
-  # The intra-server part joins the first scale-out phase.
-  if intra:
-    first = next(i for i, st in enumerate(stages) if st.kind == "scale_out")
-    stages = stages[:first + 1] + intra + stages[first + 1:]
-  for st in stages:
-    phase = stage_phase(st.kind, st.bvn_index, schedule.num_bvn_stages)
-    for tr in st.transfers:
+
+  def move(phase, src, dst, pieces, fs, fd):
+    for flow_row, rows, buf, row in pieces:
+      if dst == fd:
+        dst_buf, dst_row = OUT, int(ro[fs, fd]) + flow_row
+      else:
+        dst_buf, dst_row = WS, int(bump[dst])
+        bump[dst] += rows
+        hold.add((dst, fs, fd), flow_row, rows, WS, dst_row, phase + 1)
+      ops.append((phase, src, dst, rows, buf, row, dst_buf, dst_row, fs, fd,
+                  flow_row))
+
+  def run(stage, phase):
+    for tr in stage.transfers:
       fs, fd = tr.flow
-      for flow_row, rows, buf, row in hold.take(
-          (tr.src_gpu, fs, fd), tr.amount, st.kind == "balance", phase):
-        if tr.dst_gpu == fd:
-          dst_buf, dst_row = OUT, int(ro[fs, fd]) + flow_row
-        else:
-          dst_buf, dst_row = WS, int(bump[tr.dst_gpu])
-          bump[tr.dst_gpu] += rows
-          hold.add((tr.dst_gpu, fs, fd), flow_row, rows, WS, dst_row,
-                   phase + 1)
-        ops.append((phase, tr.src_gpu, tr.dst_gpu, rows, buf, row, dst_buf,
-                    dst_row, fs, fd, flow_row))
-  if hold.segs:
-    key = next(iter(hold.segs))
-    raise ValueError(f"schedule leaves rows of flow {key[1:]} on GPU {key[0]}")
+      move(phase, tr.src_gpu, tr.dst_gpu,
+           hold.take((tr.src_gpu, fs, fd), tr.amount, False, phase), fs, fd)
+
+  def balance(k, phase):
+    """Balancing by use: the units stage k's scale-out sends from a lane
+    that is not the flow's source, from the front of their reserved
+    rows."""
+    for tr in ref._stage_of_kind(schedule, "scale_out", k).transfers:
+      fs, fd = tr.flow
+      if tr.src_gpu == fs:
+        continue
+      segs = reserved[(fs, tr.src_gpu, fs, fd)]
+      left, pieces = tr.amount, []
+      while left > 0:
+        seg = segs[0]
+        y = min(left, seg[1])
+        pieces.append((seg[0], y, X, int(so[fs, fd]) + seg[0]))
+        seg[0] += y
+        seg[1] -= y
+        left -= y
+        if seg[1] == 0:
+          segs.pop(0)
+      move(phase, fs, tr.src_gpu, pieces, fs, fd)
+
+  intra = ref._stage_of_kind(schedule, "intra")
+  if s_bvn == 0:
+    run(intra, 0)
+  else:
+    balance(0, 0)
+    for k in range(s_bvn):
+      run(ref._stage_of_kind(schedule, "scale_out", k), k + 1)
+      if k == 0:
+        run(intra, 1)
+      else:
+        run(ref._stage_of_kind(schedule, "redistribute", k - 1), k + 1)
+      if k + 1 < s_bvn:
+        balance(k + 1, k + 1)
+    run(ref._stage_of_kind(schedule, "redistribute", s_bvn - 1), s_bvn + 1)
+  if hold.segs or any(reserved.values()):
+    key = next(iter(hold.segs or {k: v for k, v in reserved.items() if v}))
+    raise ValueError(f"schedule leaves rows of flow {key[-2:]} on GPU {key[0]}")
   arr = np.asarray(ops, np.int64).reshape(-1, OP_COLS)
   num_phases = int(arr[:, PHASE].max()) + 1 if len(arr) else 0
   return ExecutionPlan(arr, num_phases, bump, n, m)

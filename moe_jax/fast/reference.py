@@ -258,6 +258,44 @@ def _unit_count(start: int, count: int, lane: int, off: int, m: int) -> int:
   return f(start + count) - f(start)
 
 
+def stage_order(d: np.ndarray, matchings: np.ndarray, weights: np.ndarray
+                ) -> np.ndarray:
+  """int64[S]: the order the BvN stages run in (any order is valid).
+
+  A stage's size is its largest real unit count over servers,
+  ``min(weight, remaining D[a, pi(a)])`` computed in decomposition order
+  (the schedule then recomputes the real units in the new order).  The lightest
+  stage runs first (its balancing precedes every scale-out), the others
+  by descending size, so each stage's redistribution and the next stage's
+  balancing overlap a scale-out stage of about their own size and the
+  last (exposed) redistribution is light.
+  """
+  s = int(weights.shape[0])
+  if s <= 1:
+    return np.arange(s, dtype=np.int64)
+  n = d.shape[0]
+  rem = np.asarray(d, np.int64).copy()
+  size = np.zeros(s, np.int64)
+  for k in range(s):
+    b = matchings[k]
+    x = np.minimum(weights[k], rem[np.arange(n), b])
+    x[b == np.arange(n)] = 0
+    rem[np.arange(n), b] -= x
+    size[k] = x.max(initial=0)
+  first = int(np.argmin(size))
+  rest = [int(k) for k in np.argsort(-size, kind="stable") if k != first]
+  return np.asarray([first] + rest, np.int64)
+
+
+def _lane_order(lane: int, m: int) -> list[int]:
+  """Order in which lane ``lane`` queues its own flows into a server: by
+  local destination from its own index on, ``lane, lane + 1, ..`` (mod M),
+  so in every stage the lanes (whose shares advance alike) carry units
+  for different destination GPUs and the redistribution spreads over the
+  receiving server's GPUs."""
+  return [(lane + i) % m for i in range(m)]
+
+
 def fast_schedule(traffic, num_servers: int, gpus_per_server: int) -> Schedule:
   """Builds the FAST schedule of ``traffic`` (int[G, G], G = n * M)."""
   t = _check_traffic(traffic, num_servers, gpus_per_server)
@@ -266,6 +304,8 @@ def fast_schedule(traffic, num_servers: int, gpus_per_server: int) -> Schedule:
   padded = pad_matrix(d)
   bound = int(max(d.sum(0).max(initial=0), d.sum(1).max(initial=0)))
   mats, ws = bvn_decompose(padded)
+  order = stage_order(d, mats, ws)
+  mats, ws = mats[order], ws[order]
 
   # 1. Balancing.  queues[a][b][l]: list of [flow, amount] GPU l of a carries
   # to server b, in sending order.
@@ -281,7 +321,7 @@ def fast_schedule(traffic, num_servers: int, gpus_per_server: int) -> Schedule:
       for i in range(m):
         g = a * m + i
         held.append([[(g, b * m + h), int(t[g, b * m + h])]
-                     for h in range(m) if t[g, b * m + h] > 0])
+                     for h in _lane_order(i, m) if t[g, b * m + h] > 0])
       have = [sum(x[1] for x in q) for q in held]
       want = [_unit_count(0, big, l, off, m) for l in range(m)]
       j = 0

@@ -649,3 +649,46 @@ def direct_time(traffic, num_servers: int, gpus_per_server: int,
                      inter.sum(1), inter.sum(0))
   t_up = _step_cost(fabric.scale_up, intra.sum(1), intra.sum(0))
   return max(t_out, t_up)
+
+
+def executed_plan_time(plan, fabric: Fabric = Fabric()) -> dict:
+  """Completion time (s) of an ``ExecutionPlan`` as it is issued.
+
+  The staged all-to-all (``xla_ffi/fast/issue.h``: the CUDA custom call,
+  and the callback path alike) issues the plan's phases one after another,
+  each as one NCCL group; a phase ends when its last op has ended, and the
+  next one starts then (modelled as a barrier over all GPUs).  Within a
+  phase every op runs at once on its link: an op between two GPUs of one
+  server uses the sender's scale-up send port and the receiver's scale-up
+  receive port, an op between servers the sender's NIC send port and the
+  receiver's NIC receive port (``B_up`` / ``B_out`` per GPU and direction,
+  full duplex, as in ``DuplexPorts``).  So a phase costs ``max(alpha_up +
+  U / B_up, alpha_out + N / B_out)``, with ``U`` (``N``) the busiest
+  scale-up (NIC) port's bytes in the phase (a tier the phase does not use
+  costs nothing), and the plan costs the sum over its phases.  Local
+  copies (``src == dst``) use neither tier and are not charged.
+
+  ``plan``: ``plan.ExecutionPlan`` or an object with its ``ops``,
+  ``num_phases`` and ``gpus_per_server`` (``cpp.execution_plan``'s); its
+  rows are bytes (the traffic it was planned from).
+
+  Returns dict with ``total``, ``phases`` (float[P], each phase's cost),
+  ``scale_up`` and ``scale_out`` (float[P], each tier's cost per phase).
+  """
+  ops = np.asarray(plan.ops, np.int64).reshape(-1, 11)
+  m = int(plan.gpus_per_server)
+  p = int(plan.num_phases)
+  ops = ops[ops[:, 1] != ops[:, 2]]
+  g = int(max(ops[:, 1].max(initial=-1), ops[:, 2].max(initial=-1)) + 1)
+  same = ops[:, 1] // m == ops[:, 2] // m
+  costs = {}
+  for name, sel, link in (("scale_up", same, fabric.scale_up),
+                          ("scale_out", ~same, fabric.scale_out)):
+    o = ops[sel]
+    sent = np.bincount(o[:, 0] * g + o[:, 1], o[:, 3], p * g).reshape(p, g)
+    recv = np.bincount(o[:, 0] * g + o[:, 2], o[:, 3], p * g).reshape(p, g)
+    peak = np.maximum(sent, recv).max(axis=1, initial=0) if g else np.zeros(p)
+    costs[name] = np.where(peak > 0,
+                           link.alpha_s + peak / link.bandwidth_Bps, 0.0)
+  phases = np.maximum(costs["scale_up"], costs["scale_out"])
+  return {"total": float(phases.sum()), "phases": phases, **costs}

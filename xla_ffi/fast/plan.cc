@@ -37,14 +37,18 @@ std::string IndexStages(const FastSchedule& schedule, StageIndex* index) {
   return {};
 }
 
-// Calls apply(row, phase) on every row, stages in plan order, until it
-// returns false: balancing (phase 0); without BvN stages the intra-server
-// part (0); else the scale-out of stage 0 and the intra-server part (1),
-// then for each BvN stage k its redistribution and the scale-out of stage
-// k + 1 (k + 2).  Returns whether every call returned true.
-template <typename Apply>
+// Calls, until one returns false, in plan order: balance(k, phase) for
+// the balancing by use of BvN stage k (k = 0 in phase 0, stage k + 1 in
+// phase k + 1), and apply(row, phase) on every other row: without BvN
+// stages the intra-server part (phase 0); else per stage k the scale-out
+// of stage k (phase k + 1), then the intra-server part (k = 0) or the
+// redistribution of stage k - 1, then the balancing of stage k + 1; the
+// last redistribution in phase S + 1.  Balancing rows (stage 0) are not
+// applied: the balancing moves by use.  Returns whether every call
+// returned true.
+template <typename Apply, typename Balance>
 bool RunStages(const FastSchedule& schedule, const StageIndex& index,
-               Apply apply) {
+               Apply apply, Balance balance) {
   const int64_t* tr = schedule.transfers.data();
   const int64_t* rd = schedule.redistribution.data();
   auto run = [&](int64_t st, int64_t phase) {
@@ -55,16 +59,17 @@ bool RunStages(const FastSchedule& schedule, const StageIndex& index,
     return true;
   };
   const int s = schedule.num_stages;
-  if (!run(0, 0)) return false;
   if (s == 0) return run(1, 0);
-  if (!run(2, 1) || !run(1, 1)) return false;
+  if (!balance(0, 0)) return false;
   for (int k = 0; k < s; ++k) {
-    if (!run(3 + 2 * static_cast<int64_t>(k), k + 2)) return false;
-    if (k + 1 < s && !run(2 + 2 * static_cast<int64_t>(k + 1), k + 2)) {
+    const int64_t phase = k + 1;
+    if (!run(2 + 2 * static_cast<int64_t>(k), phase)) return false;
+    if (!run(k == 0 ? 1 : 1 + 2 * static_cast<int64_t>(k), phase)) {
       return false;
     }
+    if (k + 1 < s && !balance(k + 1, phase)) return false;
   }
-  return true;
+  return run(1 + 2 * static_cast<int64_t>(s), s + 1);
 }
 
 std::string FlowText(int64_t fs, int64_t fd) {
@@ -155,6 +160,40 @@ std::string ExecutionPlanner::Apply(const int64_t* row, int64_t phase,
   return {};
 }
 
+// Balancing by use of BvN stage k: for every scale-out row of stage k whose
+// sender is not the flow's source, the rows it sends move from the source
+// to it, from the front of their reserved range.
+std::string ExecutionPlanner::Balance(const FastSchedule& schedule, int k,
+                                      int64_t phase, ExecutionPlan* out) {
+  const int64_t st = 2 + 2 * static_cast<int64_t>(k);
+  for (int64_t i = stages_.begin[st]; i < stages_.end[st]; ++i) {
+    const int64_t* row = schedule.transfers.data() + i * kTransferCols;
+    const int64_t j = row[kSrc], fs = row[kFlowSrc], fd = row[kFlowDst];
+    if (j == fs) continue;
+    std::vector<Range>& ranges = reserved_[Key(j, fs, fd)];
+    int64_t left = row[kAmount];
+    while (left > 0) {
+      if (ranges.empty()) {
+        return "internal error: GPU " + std::to_string(j) + " sends rows of "
+               "flow " + FlowText(fs, fd) + " it was not given";
+      }
+      Range& r = ranges.back();
+      const int64_t y = std::min(left, r.rows);
+      const int64_t dst_row = out->workspace_used[j];
+      out->workspace_used[j] += y;
+      Add(Key(j, fs, fd), {r.first, y, kBufWs, dst_row, phase + 1});
+      out->ops.insert(out->ops.end(),
+                      {phase, fs, j, y, kBufX, send_off_[fs * g_ + fd] + r.first,
+                       kBufWs, dst_row, fs, fd, r.first});
+      r.first += y;
+      r.rows -= y;
+      left -= y;
+      if (r.rows == 0) ranges.pop_back();
+    }
+  }
+  return {};
+}
+
 std::string ExecutionPlanner::Plan(const int64_t* traffic,
                                    const FastSchedule& schedule,
                                    ExecutionPlan* out) {
@@ -184,9 +223,23 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
       acc += traffic[s * g + d];
     }
   }
+  if (std::string err = IndexStages(schedule, &stages_); !err.empty()) {
+    return err;
+  }
+  // Rows each balancing row gives: the giver's tail, receivers in stream
+  // order from the last row down; they move by use, lowest rows first.
+  given_.assign(g * g, 0);
+  reserved_.clear();
+  for (int64_t i = stages_.begin[0]; i < stages_.end[0]; ++i) {
+    const int64_t* row = schedule.transfers.data() + i * kTransferCols;
+    const int64_t f = row[kFlowSrc] * g + row[kFlowDst];
+    given_[f] += row[kAmount];
+    reserved_[Key(row[kDst], row[kFlowSrc], row[kFlowDst])].push_back(
+        {traffic[f] - given_[f], row[kAmount]});
+  }
   for (int64_t s = 0; s < g; ++s) {
     for (int64_t d = 0; d < g; ++d) {
-      const int64_t t = traffic[s * g + d];
+      const int64_t t = traffic[s * g + d] - given_[s * g + d];
       if (s != d && t > 0) Add(Key(s, s, d), {0, t, kBufX, send_off_[s * g + d], 0});
     }
   }
@@ -198,15 +251,25 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
     }
   }
 
-  if (std::string err = IndexStages(schedule, &stages_); !err.empty()) {
-    return err;
-  }
   std::string err;
-  RunStages(schedule, stages_, [&](const int64_t* row, int64_t phase) {
-    err = Apply(row, phase, out);
-    return err.empty();
-  });
+  RunStages(
+      schedule, stages_,
+      [&](const int64_t* row, int64_t phase) {
+        err = Apply(row, phase, out);
+        return err.empty();
+      },
+      [&](int k, int64_t phase) {
+        err = Balance(schedule, k, phase, out);
+        return err.empty();
+      });
   if (!err.empty()) return err;
+  for (const auto& [key, ranges] : reserved_) {
+    if (!ranges.empty()) {
+      return "internal error: balancing rows of flow (" +
+             std::to_string(key / g_ % g_) + ", " + std::to_string(key % g_) +
+             ") for GPU " + std::to_string(key / g_ / g_) + " never move";
+    }
+  }
   if (!hold_.empty()) {
     const uint64_t key = hold_.begin()->first;
     return "schedule leaves rows of flow (" + std::to_string(key / g_ % g_) +
@@ -288,11 +351,14 @@ std::string RankPlanner::Plan(const int64_t* traffic,
   Offsets();
   LaneStarts(schedule);
   given_.assign(g_, 0);
+  sent_.assign(g_, 0);
   balanced_in_.clear();
+  balanced_head_ = 0;
   relay_.clear();
   relay_head_ = 0;
   bump_ = 0;
-  queues_built_ = false;
+  GiverChunks(schedule);
+  chunk_head_ = 0;
   bool any_traffic = schedule.num_stages > 0;
   for (int64_t i = 0; i < g_ * g_ && !any_traffic; ++i) {
     any_traffic = traffic[i] > 0;
@@ -309,18 +375,26 @@ std::string RankPlanner::Plan(const int64_t* traffic,
          recv_off_[rank_], 0, out);
   }
   error_.clear();
-  if (!RunStages(schedule, stages_, [&](const int64_t* row, int64_t phase) {
-        return Apply(row, phase, out);
-      })) {
+  if (!RunStages(
+          schedule, stages_,
+          [&](const int64_t* row, int64_t phase) {
+            return Apply(row, phase, out);
+          },
+          [&](int k, int64_t phase) {
+            return Balance(schedule, k, phase, out);
+          })) {
     return error_;
   }
-  if (!queues_built_) BuildLaneQueues();
-  for (int64_t c = 0; c < n_; ++c) {
-    if (queue_head_[c] != queue_begin_[c + 1]) {
-      const Held& h = queue_[queue_head_[c]];
+  for (int64_t d = 0; d < g_; ++d) {
+    if (server_of_[d] != server_ &&
+        sent_[d] + given_[d] != traffic[rank_ * g_ + d]) {
       return "internal error: rank " + std::to_string(rank_) +
-             " keeps rows of flow " + FlowText(h.flow_src, h.flow_dst);
+             " keeps rows of flow " + FlowText(rank_, d);
     }
+  }
+  if (balanced_head_ != balanced_in_.size() || chunk_head_ != chunks_.size()) {
+    return "internal error: rank " + std::to_string(rank_) +
+           " keeps balancing rows";
   }
   if (relay_head_ != relay_.size()) {
     const Held& h = relay_[relay_head_];
@@ -387,36 +461,102 @@ void RankPlanner::LaneStarts(const FastSchedule& schedule) {
   }
 }
 
-// The rank's scale-out lane queue to each other server c, as the scheduler
-// walks it: its own flows into c in destination order (what balancing left
-// of them), then the balancing pieces it received for c, in arrival order.
-void RankPlanner::BuildLaneQueues() {
-  queues_built_ = true;
-  queue_begin_.assign(n_ + 1, 0);
-  const int64_t* row = traffic_ + rank_ * g_;
-  for (int64_t c = 0; c < n_; ++c) {
-    if (c == server_) continue;
-    for (int64_t d = c * m_; d < (c + 1) * m_; ++d) {
-      queue_begin_[c + 1] += row[d] > given_[d];
-    }
-  }
-  for (const Held& h : balanced_in_) ++queue_begin_[server_of_[h.flow_dst] + 1];
-  for (int64_t c = 0; c < n_; ++c) queue_begin_[c + 1] += queue_begin_[c];
-  queue_.resize(queue_begin_[n_]);
-  queue_head_.assign(queue_begin_.begin(), queue_begin_.end() - 1);
-  for (int64_t c = 0; c < n_; ++c) {
-    if (c == server_) continue;
-    for (int64_t d = c * m_; d < (c + 1) * m_; ++d) {
-      if (row[d] > given_[d]) {
-        queue_[queue_head_[c]++] = {rank_, d, kBufX, send_off_[d],
-                                    row[d] - given_[d], 0};
+// The balancing rows the rank gives, by use: each balancing row of the
+// rank's schedule (r -> j, flow (r, d)) reserves rows of the flow's tail
+// (receivers in stream order, from the last row down); lane j sends them
+// from its queue (its own units first, then its segment of the pair's
+// stream) in the stages whose shares cover their queue positions, and
+// each stage's part moves to j the phase before.  chunks_: by stage, in
+// stream order within a stage (the whole plan's order: receiving lanes
+// ascending, queue order).
+void RankPlanner::GiverChunks(const FastSchedule& schedule) {
+  chunks_.clear();
+  const int64_t* tr = schedule.transfers.data();
+  const int64_t gl = lane_of_[rank_];
+  int64_t pair = -1, pos = 0;
+  have_.resize(m_);
+  want_.resize(m_);
+  seg_.resize(m_);
+  for (int64_t i = stages_.begin[0]; i < stages_.end[0]; ++i) {
+    const int64_t* row = tr + i * kTransferCols;
+    if (row[kSrc] != rank_) continue;
+    const int64_t d = row[kFlowDst], c = server_of_[d], y = row[kAmount];
+    if (c != pair) {  // the pair (server_, c): shares, stream, stages
+      pair = c;
+      int64_t big = 0;
+      for (int64_t l = 0; l < m_; ++l) {
+        const int64_t* tile = traffic_ + (server_ * m_ + l) * g_ + c * m_;
+        int64_t sum = 0;
+        for (int64_t h = 0; h < m_; ++h) sum += tile[h];
+        have_[l] = sum;
+        big += sum;
+      }
+      const int64_t off = (server_ + c) % m_;
+      pos = 0;
+      int64_t seg = 0;
+      for (int64_t l = 0; l < m_; ++l) {
+        const int64_t r = (l - off + m_) % m_;
+        want_[l] = big / m_ + (r < big % m_ ? 1 : 0);
+        if (l < gl) pos += std::max<int64_t>(have_[l] - want_[l], 0);
+        seg_[l] = seg;
+        seg += std::max<int64_t>(want_[l] - have_[l], 0);
+      }
+      pair_stages_.clear();
+      int64_t sent = 0;
+      for (int k = 0; k < schedule.num_stages; ++k) {
+        const size_t at = static_cast<size_t>(k) * n_ + server_;
+        if (schedule.matchings[at] != c || schedule.real[at] == 0) continue;
+        sent += schedule.real[at];
+        pair_stages_.push_back({k, sent});
       }
     }
+    given_[d] += y;
+    const int64_t first = traffic_[rank_ * g_ + d] - given_[d];
+    const int64_t j = lane_of_[row[kDst]];
+    const int64_t q0 = have_[j] + (pos - seg_[j]);
+    pos += y;
+    const int64_t rj = (j - (server_ + c) % m_ + m_) % m_;
+    const auto units = [&](int64_t sent) { return (sent + m_ - 1 - rj) / m_; };
+    int64_t lo = 0;
+    for (const auto& [k, sent] : pair_stages_) {
+      const int64_t hi = units(sent);
+      const int64_t b = std::max(lo, q0), e = std::min(hi, q0 + y);
+      if (b < e) {
+        chunks_.push_back({k, row[kDst], e - b,
+                           send_off_[d] + first + (b - q0)});
+      }
+      lo = hi;
+      if (lo >= q0 + y) break;
+    }
   }
-  for (const Held& h : balanced_in_) {
-    queue_[queue_head_[server_of_[h.flow_dst]]++] = h;
+  std::stable_sort(chunks_.begin(), chunks_.end(),
+                   [](const Chunk& x, const Chunk& y) {
+                     return x.stage < y.stage;
+                   });
+}
+
+// The balancing by use of BvN stage k in `phase`: the rank's chunks as a
+// giver, or, as a receiving lane, what its own stage-k scale-out rows send
+// of other GPUs' flows (into its workspace, sent on in stage k).
+bool RankPlanner::Balance(const FastSchedule& schedule, int k, int64_t phase,
+                          RankProgram* out) {
+  while (chunk_head_ < chunks_.size() && chunks_[chunk_head_].stage == k) {
+    const Chunk& c = chunks_[chunk_head_++];
+    Push(RankOpKind::kSend, c.peer, c.rows, kBufX, c.src_row, kNotMine,
+         kNotMine, phase, out);
   }
-  queue_head_.assign(queue_begin_.begin(), queue_begin_.end() - 1);
+  const int64_t st = 2 + 2 * static_cast<int64_t>(k);
+  const int64_t* tr = schedule.transfers.data();
+  for (int64_t i = stages_.begin[st]; i < stages_.end[st]; ++i) {
+    const int64_t* row = tr + i * kTransferCols;
+    if (row[kSrc] != rank_ || row[kFlowSrc] == rank_) continue;
+    Push(RankOpKind::kRecv, row[kFlowSrc], row[kAmount], kNotMine, kNotMine,
+         kBufWs, bump_, phase, out);
+    balanced_in_.push_back({row[kFlowSrc], row[kFlowDst], kBufWs, bump_,
+                            row[kAmount], phase + 1});
+    bump_ += row[kAmount];
+  }
+  return true;
 }
 
 void RankPlanner::Push(RankOpKind kind, int64_t peer, int64_t rows,
@@ -461,34 +601,32 @@ bool RankPlanner::Send(const int64_t* row, int64_t phase, RankProgram* out) {
                 FlowText(fs, fd) + " in phase " + std::to_string(phase) +
                 " that it does not hold next");
   };
-  if (stage <= 1) {
-    // Balancing gives the last rows the source still holds; the
-    // intra-server part sends the whole flow.
+  if (stage == 1) {  // the intra-server part sends the whole flow
     if (fs != rank_) return lost();
-    int64_t first = 0;
-    if (stage == 0) {
-      given_[fd] += rows;
-      first = traffic_[rank_ * g_ + fd] - given_[fd];
-    }
-    Push(RankOpKind::kSend, peer, rows, kBufX, send_off_[fd] + first,
-         kNotMine, kNotMine, phase, out);
+    Push(RankOpKind::kSend, peer, rows, kBufX, send_off_[fd], kNotMine,
+         kNotMine, phase, out);
     return true;
   }
-  if (stage % 2 == 0) {  // scale-out: the head of the lane queue
-    if (!queues_built_) BuildLaneQueues();
-    const int32_t c = server_of_[fd];
-    size_t& head = queue_head_[c];
-    if (head == queue_begin_[c + 1]) return lost();
-    Held& h = queue_[head];
-    if (h.flow_src != fs || h.flow_dst != fd || h.rows < rows ||
+  if (stage % 2 == 0) {
+    if (fs == rank_) {  // its own flow, from the first rows not yet sent
+      if (sent_[fd] + rows + given_[fd] > traffic_[rank_ * g_ + fd]) {
+        return lost();
+      }
+      Push(RankOpKind::kSend, peer, rows, kBufX, send_off_[fd] + sent_[fd],
+           kNotMine, kNotMine, phase, out);
+      sent_[fd] += rows;
+      return true;
+    }
+    // Balanced rows: what arrived for this row the phase before.
+    if (balanced_head_ == balanced_in_.size()) return lost();
+    const Held& h = balanced_in_[balanced_head_];
+    if (h.flow_src != fs || h.flow_dst != fd || h.rows != rows ||
         h.ready > phase) {
       return lost();
     }
     Push(RankOpKind::kSend, peer, rows, h.buf, h.row, kNotMine, kNotMine,
          phase, out);
-    h.row += rows;
-    h.rows -= rows;
-    if (h.rows == 0) ++head;
+    ++balanced_head_;
     return true;
   }
   // Redistribution: the oldest scale-out piece, whole.
@@ -520,13 +658,13 @@ bool RankPlanner::Receive(const int64_t* row, int64_t phase,
          recv_off_[fs] + first, phase, out);
     return true;
   }
-  if (fd == rank_ || !(stage == 0 || scale_out)) {
+  if (fd == rank_ || !scale_out) {
     return Fail("receives rows of flow " + FlowText(fs, fd) + " in stage " +
                 std::to_string(stage));
   }
   Push(RankOpKind::kRecv, peer, rows, kNotMine, kNotMine, kBufWs, bump_, phase,
        out);
-  Held& h = (stage == 0 ? balanced_in_ : relay_).emplace_back();
+  Held& h = relay_.emplace_back();
   h.flow_src = fs;
   h.flow_dst = fd;
   h.buf = kBufWs;

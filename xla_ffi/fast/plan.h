@@ -76,12 +76,20 @@ class ExecutionPlanner {
   std::string Take(uint64_t key, int64_t amount, bool from_tail, int64_t phase,
                    int64_t gpu, int64_t fs, int64_t fd);
   std::string Apply(const int64_t* row, int64_t phase, ExecutionPlan* out);
+  std::string Balance(const FastSchedule& schedule, int k, int64_t phase,
+                      ExecutionPlan* out);
+  struct Range {
+    int64_t first, rows;
+  };
 
   uint64_t g_ = 0;
   StageIndex stages_;
   std::unordered_map<uint64_t, std::vector<Segment>> hold_;
   std::vector<Piece> pieces_;
   std::vector<int64_t> send_off_, recv_off_;
+  std::vector<int64_t> given_;  // [G * G] rows of each flow given away
+  // (receiver, flow) -> rows reserved for it, lowest last.
+  std::unordered_map<uint64_t, std::vector<Range>> reserved_;
 };
 
 enum class RankOpKind : int { kCopy, kSend, kRecv };
@@ -152,7 +160,9 @@ class RankPlanner {
   };
   void Offsets();
   void LaneStarts(const FastSchedule& schedule);
-  void BuildLaneQueues();
+  void GiverChunks(const FastSchedule& schedule);
+  bool Balance(const FastSchedule& schedule, int k, int64_t phase,
+               RankProgram* out);
   // Apply, Send and Receive return false after Fail set error_.
   bool Apply(const int64_t* row, int64_t phase, RankProgram* out);
   bool Send(const int64_t* row, int64_t phase, RankProgram* out);
@@ -168,17 +178,28 @@ class RankPlanner {
   std::vector<int32_t> server_of_, lane_of_;
   StageIndex stages_;
   std::string error_;
-  bool queues_built_ = false;
   std::vector<int64_t> send_off_;   // [G] first x row of flow (rank, d)
   std::vector<int64_t> recv_off_;   // [G] first out row of flow (s, rank)
   std::vector<int64_t> given_;      // [G] units of (rank, d) given away
   // [G * M]: next flow row of (s, rank) that lane l of s's server carries.
   std::vector<int64_t> lane_row_;
-  std::vector<Held> balanced_in_;   // balancing pieces received, in order
-  // Scale-out lane queues, destination server c's at queue_[queue_begin_[c]
-  // .. queue_begin_[c + 1]), sent from queue_head_[c] on.
-  std::vector<Held> queue_;
-  std::vector<size_t> queue_begin_, queue_head_;
+  std::vector<int64_t> sent_;       // [G] rows of (rank, d) sent by itself
+  // Balancing rows received (by use), sent on in this order.
+  std::vector<Held> balanced_in_;
+  size_t balanced_head_ = 0;
+  // Balancing rows the rank gives, by stage (GiverChunks).
+  struct Chunk {
+    int stage;
+    int64_t peer, rows, src_row;
+  };
+  std::vector<Chunk> chunks_;
+  size_t chunk_head_ = 0;
+  std::vector<int64_t> have_, want_, seg_;  // [M] of one server pair
+  struct PairStage {
+    int stage;
+    int64_t sent;  // the pair's units sent up to and with this stage
+  };
+  std::vector<PairStage> pair_stages_;
   std::vector<Held> relay_;         // scale-out pieces to redistribute
   size_t relay_head_ = 0;
   int64_t bump_ = 0;                // workspace rows used

@@ -278,6 +278,50 @@ bool FastScheduler::Decompose(FastSchedule* out) {
   return true;
 }
 
+// Runs the BvN stages in reference.stage_order's order: the stage with
+// the fewest real units (largest over servers, in decomposition order)
+// first, the others by descending size (stable), then recomputes the real
+// units in that order (a pair's units first, its padding last).
+void FastScheduler::OrderStages(FastSchedule* out) {
+  const int n = n_, s = out->num_stages;
+  if (s <= 1) return;
+  order_size_.resize(s);
+  for (int k = 0; k < s; ++k) {
+    const int64_t* real = out->real.data() + static_cast<size_t>(k) * n;
+    order_size_[k] = *std::max_element(real, real + n);
+  }
+  order_.resize(s);
+  for (int k = 0; k < s; ++k) order_[k] = k;
+  const int first = static_cast<int>(
+      std::min_element(order_size_.begin(), order_size_.end()) -
+      order_size_.begin());
+  std::stable_sort(order_.begin(), order_.end(), [&](int x, int y) {
+    return order_size_[x] > order_size_[y];
+  });
+  std::rotate(order_.begin(), std::find(order_.begin(), order_.end(), first),
+              std::find(order_.begin(), order_.end(), first) + 1);
+  const size_t sn = static_cast<size_t>(s) * n;
+  scratch_match_.assign(out->matchings.begin(), out->matchings.begin() + sn);
+  scratch_inv_.assign(inverse_.begin(), inverse_.begin() + sn);
+  scratch_w_.assign(out->weights.begin(), out->weights.begin() + s);
+  real_left_.assign(out->server.begin(), out->server.end());
+  for (int i = 0; i < s; ++i) {
+    const size_t src = static_cast<size_t>(order_[i]) * n;
+    const size_t dst = static_cast<size_t>(i) * n;
+    const int64_t w = scratch_w_[order_[i]];
+    out->weights[i] = w;
+    for (int u = 0; u < n; ++u) {
+      const int64_t v = scratch_match_[src + u];
+      out->matchings[dst + u] = v;
+      inverse_[dst + u] = scratch_inv_[src + u];
+      int64_t& left = real_left_[static_cast<size_t>(u) * n + v];
+      const int64_t x = std::min(w, left);
+      out->real[dst + u] = x;
+      left -= x;
+    }
+  }
+}
+
 std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
                                     int gpus_per_server, bool with_transfers,
                                     FastSchedule* out, int64_t gpu) {
@@ -293,6 +337,7 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
   if (ServerMatrix(traffic, out) < 0) return "traffic must be non-negative";
   Pad(out);
   if (!Decompose(out)) return "internal error: no perfect matching";
+  OrderStages(out);
   out->transfers.clear();
   out->redistribution.clear();
   if (with_transfers) BuildTransfers(traffic, out);
@@ -349,7 +394,7 @@ void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
     const int64_t* tile = tile0 + i * g;
     const int32_t s = static_cast<int32_t>(static_cast<int64_t>(a) * m + i);
     qbeg_[lane0 + i] = at;
-    for (int h = 0; h < m; ++h) {
+    for (int t = 0, h = i; t < m; ++t, h = h + 1 == m ? 0 : h + 1) {
       if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
     }
     kept_[i] = static_cast<int>(at - qbeg_[lane0 + i]);
@@ -416,7 +461,7 @@ void FastScheduler::BalancePairForGpu(const int64_t* traffic, int a, int b,
   Piece* pool =
       GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
   const int64_t start = pool_used_;
-  Piece* at = PutKeptPieces(tile0 + gl * g, a * m + gl, b * m,
+  Piece* at = PutKeptPieces(tile0 + gl * g, gl, a * m + gl, b * m,
                             std::min(have_[gl], want_[gl]), pool + start);
   int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
                              kTransferCols);
@@ -456,8 +501,9 @@ FastScheduler::Piece* FastScheduler::ReceiveSegment(const StreamPair& p,
     }
     const int64_t* tile = p.tile0 + i * p.g;
     const int32_t src = p.a * m + i;
-    int64_t left = excess;  // giver i's tail units from column h down
-    for (int h = m - 1; left > 0 && need > 0; --h) {
+    int64_t left = excess;  // giver i's tail units from its last column down
+    for (int t = 0, h = i == 0 ? m - 1 : i - 1; left > 0 && need > 0;
+         ++t, h = h == 0 ? m - 1 : h - 1) {
       int64_t piece = std::min(tile[h], left);
       left -= piece;
       if (skip >= piece) {
@@ -488,7 +534,8 @@ int64_t* FastScheduler::GiveTail(const StreamPair& p, int64_t* w) {
   int64_t seg_end = 0;  // end of receiver j's segment
   const int64_t* tile = p.tile0 + gl * p.g;
   int64_t left = have_[gl] - want_[gl];
-  for (int h = m - 1; left > 0; --h) {
+  for (int h = gl == 0 ? m - 1 : gl - 1; left > 0;
+       h = h == 0 ? m - 1 : h - 1) {
     int64_t piece = std::min(tile[h], left);
     left -= piece;
     while (piece > 0) {
@@ -542,10 +589,11 @@ void FastScheduler::StreamTargets(const StreamPair& p) {
 // Writes the pieces of a lane's own row (flows flow_src -> dst0 + h) that
 // it keeps, the first `keep` units; returns the slot after them.
 FastScheduler::Piece* FastScheduler::PutKeptPieces(const int64_t* tile,
-                                                   int32_t flow_src,
+                                                   int lane, int32_t flow_src,
                                                    int32_t dst0, int64_t keep,
                                                    Piece* at) {
-  for (int h = 0; h < m_ && keep > 0; ++h) {
+  for (int t = 0, h = lane; t < m_ && keep > 0;
+       ++t, h = h + 1 == m_ ? 0 : h + 1) {
     const int64_t y = std::min(tile[h], keep);
     if (y > 0) *at++ = {flow_src, dst0 + h, y};
     keep -= y;
@@ -564,8 +612,8 @@ void FastScheduler::FirstTargets(const int64_t* tile0, int a) {
   for (int l = 0; l < m; ++l) {
     const int64_t* tile = tile0 + l * g;
     const int64_t keep = std::min(have_[l], want_[l]);
-    int64_t off = 0;
-    for (int h = 0; h < gl; ++h) off += tile[h];
+    int64_t off = 0;  // lane l queues columns l, l + 1, .. (mod M)
+    for (int h = l; h != gl; h = h + 1 == m ? 0 : h + 1) off += tile[h];
     before_[l] = off;
     const int64_t y = std::min(tile[gl], keep - off);
     const bool has = l != gl && y > 0;

@@ -153,6 +153,7 @@ class FastScheduler {
   void FlipPath(int u, int v, int64_t cum);
   void Rematch(int row, int col, int64_t cum);
   bool Decompose(FastSchedule* out);
+  void OrderStages(FastSchedule* out);
   void EmitStageRows(int k, FastSchedule* out);
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
   void LaneShares(const int64_t* tile0, int a, int b, int64_t big);
@@ -171,7 +172,7 @@ class FastScheduler {
                         Piece* at);
   int64_t* GiveTail(const StreamPair& p, int64_t* w);
   void StreamTargets(const StreamPair& p);
-  Piece* PutKeptPieces(const int64_t* tile, int32_t flow_src, int32_t dst0,
+  Piece* PutKeptPieces(const int64_t* tile, int lane, int32_t flow_src, int32_t dst0,
                        int64_t keep, Piece* at);
   void FirstTargets(const int64_t* tile0, int a);
   void BuildIntra(const int64_t* traffic, RowBuffer* rows);
@@ -192,6 +193,9 @@ class FastScheduler {
   std::vector<int64_t> real_left_;  // [n * n] real units left (padded entries)
   std::vector<uint8_t> on_padding_;  // [n] matched entry has padding
   std::vector<int> match_row_, match_col_, prev_, queue_, freed_;
+  std::vector<int64_t> order_size_, scratch_match_, scratch_w_;
+  std::vector<int> order_;
+  std::vector<int32_t> scratch_inv_;
   std::vector<int32_t> inverse_;    // [S * n] server sending to b in stage k
   int words_ = 0;                   // 64-bit words per bitset row
   std::vector<uint64_t> support_;   // [n * words_] residual > 0

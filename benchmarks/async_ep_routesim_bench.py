@@ -60,6 +60,13 @@ WORKLOADS = {
 
 
 def engines_for(group: str, args):
+    out = _engines_for(group, args)
+    if args.engines:
+        out = [e for e in out if e[0] in args.engines or e[0].replace("-disagg", "") in args.engines]
+    return out
+
+
+def _engines_for(group: str, args):
     hold = dict(hold_s=args.hold_s, slack=args.slack)
     if group == "colocated":
         return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
@@ -216,6 +223,9 @@ def main(argv=None):
     p.add_argument("--hold_s", type=float, default=1e-3)
     p.add_argument("--slack", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--suffix", default="", help="appended to the record's file name")
+    p.add_argument("--engines", nargs="*", default=None,
+                   help="only these engines (names as in the table; sync is always needed)")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
     costs = ProductionCosts(RECORD)
@@ -248,7 +258,7 @@ def main(argv=None):
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"async_ep_routesim_{args.workload}")
+        stem = os.path.join(args.out, f"async_ep_routesim_{args.workload}{args.suffix}")
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, groups=groups), f, indent=1, default=float)
         with open(stem + ".md", "w") as f:

@@ -25,7 +25,7 @@ from async_ep_testing import (assert_rows_independent_of_count, async_and_sync_o
 CONFIG = TinyMoEConfig(vocab=64, hidden=16, ffn=32, heads=2, num_blocks=2, num_experts=4,
                        top_k=2, max_len=16)
 NUM_DEVICES, NUM_RANKS, SLOTS = 4, 2, 4
-SCHEDULERS = ("defrag", "mtfs", "flfs")
+SCHEDULERS = ("defrag", "hold", "mtfs", "flfs")
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,21 @@ many blocks the pipeline has. None means every queue is empty.
   where mass(b') is the tokens queued here at block b' divided by the number
   of layers hosted here at block b'; the best score wins. N counts the
   sampler as one more block. Ties (up to 1e-9) go to the earlier layer.
+* `HoldScheduler` ("hold"): cost-aware and not work-conserving. With a
+  timed view (`pick_timed`, used by the routing-only simulation) it holds a
+  queue while more of its wave is still upstream and running the fragment
+  now would cost noticeably more than running the whole wave later, and
+  releases it at a deadline; a layer whose oldest token waited
+  `escalate_s` (30 ms, as the released AMoE code) runs first. Among the
+  layers it may run it uses the defrag score with the lookahead capped at
+  stages - 1 (no wrap onto itself). Without a timed view (`pick`) it is
+  that capped defrag score alone, work-conserving.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Protocol
 
 from moe_jax.async_ep.tokens import LayerId
@@ -120,14 +130,90 @@ class DefragScheduler:
         return best
 
 
+class HoldScheduler(DefragScheduler):
+    """Cost-aware, non-work-conserving scheduler (see the module docstring).
+
+    Args:
+      hold_s: longest a queue is held for the rest of its wave (seconds).
+      escalate_s: a layer whose oldest token waited this long runs first.
+      slack: hold only if cost(queued) + cost(incoming) > (1 + slack) *
+        cost(queued + incoming).
+      idle_wait: hold even when the device has nothing else to run (the
+        device then sleeps until a delivery or the earliest deadline).
+      lookahead, decay: the defrag score; lookahead is capped at stages - 1.
+    """
+
+    name = "hold"
+
+    def __init__(self, hold_s: float = 1e-3, escalate_s: float = 0.030, slack: float = 0.05,
+                 idle_wait: bool = True, lookahead: int = 7, decay: float = 0.8):
+        super().__init__(lookahead=lookahead, decay=decay)
+        if not hold_s >= 0 or not escalate_s > 0 or not slack >= 0:
+            raise ValueError(f"hold_s, slack must be >= 0 and escalate_s > 0, got "
+                             f"{hold_s!r}, {escalate_s!r}, {slack!r}")
+        self.hold_s = float(hold_s)
+        self.escalate_s = float(escalate_s)
+        self.slack = float(slack)
+        self.idle_wait = bool(idle_wait)
+
+    def scores(self, queues, state):
+        num_stages = state.num_blocks + 1
+        capped = min(self.lookahead, num_stages - 1)
+        saved, self.lookahead = self.lookahead, capped
+        try:
+            return super().scores(queues, state)
+        finally:
+            self.lookahead = saved
+
+    def decide(self, now: float, entries, cost) -> tuple[list, list, object]:
+        """Splits non-empty layers into (runnable, deadlines of held, escalated).
+
+        entries: (layer, queued n, enqueue time of the oldest, incoming rows);
+        cost(kind, n) -> seconds. escalated is the layer to run at once, or None.
+        """
+        late = [e for e in entries if now - e[2] >= self.escalate_s]
+        if late:
+            return [], [], min(late, key=lambda e: (e[2], e[0].order(), e[0].index))[0]
+        runnable, deadlines = [], []
+        for layer, n, oldest, incoming in entries:
+            if incoming > 0 and now - oldest < self.hold_s:
+                more = int(math.ceil(incoming))
+                split = cost(layer.kind, n) + cost(layer.kind, more)
+                if split > (1.0 + self.slack) * cost(layer.kind, n + more):
+                    deadlines.append(oldest + self.hold_s)
+                    continue
+            runnable.append(layer)
+        return runnable, deadlines, None
+
+    def pick_timed(self, now: float, queues: Mapping[LayerId, int], entries, cost,
+                   state: SchedulerState) -> tuple[LayerId | None, float | None]:
+        """(layer to run now or None, time to look again or None)."""
+        runnable, deadlines, escalated = self.decide(now, entries, cost)
+        if escalated is not None:
+            return escalated, None
+        if not runnable:
+            if not deadlines:
+                return None, None
+            if self.idle_wait:
+                return None, min(deadlines)
+            runnable = [e[0] for e in entries]
+        scores = self.scores({layer: queues[layer] for layer in queues}, state)
+        best = max(runnable, key=lambda layer: (round(scores[layer], 9),
+                                                -layer.order(), -layer.index))
+        return best, None
+
+
 def make_scheduler(name: str, **kwargs) -> Scheduler:
-    """"defrag" (kwargs: lookahead, decay), "mtfs" or "flfs"."""
+    """"defrag" (kwargs: lookahead, decay), "hold" (HoldScheduler's kwargs),
+    "mtfs" or "flfs"."""
     if name == "defrag":
         return DefragScheduler(**kwargs)
+    if name == "hold":
+        return HoldScheduler(**kwargs)
     if kwargs:
         raise ValueError(f"kwargs: scheduler {name!r} takes none, got {sorted(kwargs)}")
     if name == "mtfs":
         return MostTokensFirst()
     if name == "flfs":
         return FirstLayerFirst()
-    raise ValueError(f"name must be 'defrag', 'mtfs' or 'flfs', got {name!r}")
+    raise ValueError(f"name must be 'defrag', 'hold', 'mtfs' or 'flfs', got {name!r}")

@@ -1,0 +1,672 @@
+"""Routing-only simulation of asynchronous and synchronous EP decode serving.
+
+No model math runs: a token is a request id, its route through the experts
+of every block is drawn up front from a `TraceModel`, and every layer
+execution costs what a cost envelope (`costs.ProductionCosts`) says for its
+row count. That makes production shapes (16 blocks, thousands of requests,
+hundreds to thousands of concurrent tokens) cheap enough to sweep on a CPU.
+
+Engines (all on the same `routes`, requests and KV slots of one run):
+
+* `run_sync`: the ideal barrier-synchronous engine. Every step all active
+  requests advance one token: per block, attention on every rank (phase as
+  long as the busiest device), an all-to-all, every expert on all rows routed
+  to it (phase as long as the busiest device), an all-to-all; then the
+  sampler. `replicate > 0`: the same engine with the hottest experts of each
+  block replicated (EPLB-style, `moe_jax.replication.propose` on the
+  block's expected load; the rows of a replicated expert split evenly over
+  its replicas).
+* `run_async`: per-device queues per hosted layer, a scheduler per device
+  (`schedulers.py`; `HoldScheduler` through `pick_timed`), point-to-point
+  messages `latency_s` apart (none on the same device), top-k parts merged
+  before the next block's attention.
+
+Decode only (prefill is left out, as in the AMoE evaluation); the attention
+cost model takes a fixed context length.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+from typing import Sequence
+
+import numpy as np
+
+from moe_jax.async_ep import tokens as tk
+from moe_jax.async_ep.dispatcher import Placement
+from moe_jax.async_ep.schedulers import SchedulerState
+
+MODES = ("rotated", "permuted", "persistent")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceModel:
+    """Per-block expert load: rank r of a block's load order gets a share
+    proportional to exp(-skew * r / E); `mode` says which expert has rank r
+    in block b: "rotated" (expert (r + b) % E: the hot expert moves by one
+    per block), "permuted" (a random permutation per block, from `seed`) or
+    "persistent" (expert r in every block). A token's top-k experts in a
+    block are k distinct experts drawn without replacement with those
+    probabilities (Gumbel top-k)."""
+
+    num_experts: int
+    num_blocks: int
+    top_k: int = 1
+    skew: float = 3.0
+    mode: str = "rotated"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
+
+    def permutations(self) -> np.ndarray:
+        """[B, E]: perm[b, r] is the expert of load rank r in block b."""
+        E, B = self.num_experts, self.num_blocks
+        if self.mode == "rotated":
+            return (np.arange(E)[None, :] + np.arange(B)[:, None]) % E
+        if self.mode == "persistent":
+            return np.tile(np.arange(E), (B, 1))
+        rng = np.random.default_rng(self.seed + 7919)
+        return np.stack([rng.permutation(E) for _ in range(B)])
+
+    def shares(self) -> np.ndarray:
+        """[B, E] probability of each expert in each block (rows sum to 1)."""
+        base = np.exp(-self.skew * np.arange(self.num_experts) / self.num_experts)
+        base /= base.sum()
+        out = np.zeros((self.num_blocks, self.num_experts))
+        perm = self.permutations()
+        for b in range(self.num_blocks):
+            out[b, perm[b]] = base
+        return out
+
+    def sample(self, num_tokens: int, seed: int) -> np.ndarray:
+        """[num_tokens, B, k] int16 expert ids."""
+        rng = np.random.default_rng(seed)
+        logp = np.log(self.shares())[None]
+        out = np.empty((num_tokens, self.num_blocks, self.top_k), np.int16)
+        chunk = 8192
+        for s in range(0, num_tokens, chunk):
+            n = min(chunk, num_tokens - s)
+            keys = logp + rng.gumbel(size=(n, self.num_blocks, self.num_experts))
+            out[s:s + n] = np.argsort(-keys, axis=-1)[..., :self.top_k]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """num_requests decode requests; output lengths uniform in new_tokens
+    (inclusive); arrivals Poisson at `rate` requests/s, or all at t = 0 when
+    rate is None (the KV slots then bound the concurrency)."""
+
+    num_requests: int = 2000
+    new_tokens: tuple = (16, 48)
+    rate: float | None = None
+    seed: int = 0
+
+    def requests(self) -> tuple[np.ndarray, np.ndarray]:
+        """(arrival seconds [R], output tokens [R])."""
+        rng = np.random.default_rng(self.seed)
+        lo, hi = self.new_tokens
+        lengths = rng.integers(lo, hi + 1, self.num_requests)
+        if self.rate is None:
+            arrivals = np.zeros(self.num_requests)
+        else:
+            arrivals = np.cumsum(rng.exponential(1.0 / self.rate, self.num_requests))
+        return arrivals, lengths
+
+
+@dataclasses.dataclass
+class Setup:
+    """Devices, layout and costs shared by the engines of one comparison.
+
+    costs: an object with `.of(kind) -> CostEnvelope` (costs.ProductionCosts).
+    layout: "colocated" (ranks on devices 0..R-1, expert e on e % D) or
+      "disaggregated" (ranks on 0..R-1, expert e on R + e % (D - R)).
+    num_ranks: attention DP ranks; total_slots is split evenly over them.
+    """
+
+    trace: TraceModel
+    costs: object
+    num_devices: int
+    num_ranks: int
+    total_slots: int
+    layout: str = "colocated"
+    latency_s: float = 10e-6
+
+    def placement(self) -> Placement:
+        return Placement.make(self.layout, self.num_devices, self.num_ranks,
+                              self.trace.num_experts, self.trace.num_blocks)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return max(1, self.total_slots // self.num_ranks)
+
+
+@dataclasses.dataclass
+class SimResult:
+    """token_rid / token_time: every generated token (request id, simulated
+    second); admit_time [R]; busy: per device list of (start, seconds);
+    route_counts [B, E]: expert visits the engine executed."""
+
+    engine: str
+    token_rid: np.ndarray
+    token_time: np.ndarray
+    admit_time: np.ndarray
+    lengths: np.ndarray
+    busy: list
+    num_devices: int
+    executions: int
+    mean_batch: float
+    route_counts: np.ndarray
+    finished: bool
+    end_time: float
+    layout: str = "colocated"
+
+
+def make_routes(trace: TraceModel, lengths: np.ndarray, seed: int):
+    """(routes [sum(lengths), B, k], offsets [R]): token p of request i uses
+    routes[offsets[i] + p]."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return trace.sample(int(lengths.sum()), seed), offsets
+
+
+class _Admission:
+    """Most free slots first, lowest rank on ties (as requests.Coordinator)."""
+
+    def __init__(self, num_ranks, slots_per_rank):
+        self.free = [slots_per_rank] * num_ranks
+
+    def rank(self):
+        r = max(range(len(self.free)), key=lambda q: (self.free[q], -q))
+        if self.free[r] == 0:
+            return None
+        self.free[r] -= 1
+        return r
+
+
+# ------------------------------------------------------------------------------------------
+# synchronous engine
+
+
+def replicated_holders(setup: Setup, replicate: int) -> list[np.ndarray]:
+    """Per block [D, E] bool: which devices hold (a replica of) each expert.
+
+    The home placement is the engine's (expert e on device e % D, one rank per
+    device). With E % D == 0, `moe_jax.replication.propose` picks the replicas
+    for the block's expected load (the trace model's shares: the fixed point
+    of its EMA tracker) with one spare slot per device and `replicate`
+    candidate experts; otherwise a greedy adds replicas of the `replicate`
+    hottest experts on the least-loaded devices while the busiest device's
+    expected load drops.
+    """
+    E, D = setup.trace.num_experts, setup.num_devices
+    shares = setup.trace.shares() * setup.trace.top_k
+    out = []
+    home = np.array([e % D for e in range(E)])
+    for b in range(setup.trace.num_blocks):
+        holds = np.zeros((D, E), bool)
+        holds[home, np.arange(E)] = True
+        if replicate > 0 and E % D == 0 and D > 1:
+            from moe_jax import replication  # noqa: PLC0415
+
+            per = E // D
+            logical = (np.arange(E) % D) * per + np.arange(E) // D   # home rank = e % D
+            loads = np.empty(E)
+            loads[logical] = shares[b]
+            placement = replication.propose(loads, D, per + 1, num_replicated=replicate)
+            local = placement.as_arrays()["local_slot"] >= 0          # [P, E logical]
+            holds = local[:, logical]
+        elif replicate > 0:
+            for e in np.argsort(-shares[b], kind="stable")[:replicate]:
+                while True:
+                    n_rep = holds.sum(0)
+                    dev_load = holds.astype(float) @ (shares[b] / n_rep)
+                    cand = [d for d in np.argsort(dev_load, kind="stable") if not holds[d, e]]
+                    if not cand:
+                        break
+                    trial = holds.copy()
+                    trial[cand[0], e] = True
+                    if (trial.astype(float) @ (shares[b] / trial.sum(0))).max() \
+                            >= dev_load.max() - 1e-12:
+                        break
+                    holds = trial
+        out.append(holds)
+    return out
+
+
+def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 0,
+             name: str | None = None) -> SimResult:
+    """The ideal barrier-synchronous engine (see the module docstring). It
+    always uses the colocated layout with one attention rank per device."""
+    trace, costs = setup.trace, setup.costs
+    B, E, K, D = trace.num_blocks, trace.num_experts, trace.top_k, setup.num_devices
+    attn, expert, sampler = (costs.of(tk.ATTENTION), costs.of(tk.EXPERT), costs.of(tk.SAMPLER))
+    ranks = D
+    admission = _Admission(ranks, max(1, setup.total_slots // ranks))
+    holders = replicated_holders(setup, replicate) if replicate else None
+    home = np.array([e % D for e in range(E)])
+    order = np.argsort(arrivals, kind="stable")
+    R = len(arrivals)
+    admit_time = np.full(R, np.nan)
+    rank_of = np.full(R, -1)
+    pos = np.zeros(R, np.int64)
+    active: list[int] = []
+    waiting: collections.deque = collections.deque()
+    nxt = 0
+    clock = 0.0
+    tok_rid, tok_time = [], []
+    busy = [[] for _ in range(D)]
+    route_counts = np.zeros((B, E), np.int64)
+    executions, rows_total = 0, 0
+    lat = setup.latency_s
+    while True:
+        while nxt < R and arrivals[order[nxt]] <= clock:
+            waiting.append(int(order[nxt]))
+            nxt += 1
+        while waiting:
+            r = admission.rank()
+            if r is None:
+                break
+            rid = waiting.popleft()
+            rank_of[rid] = r
+            admit_time[rid] = clock
+            active.append(rid)
+        if not active:
+            if nxt >= R:
+                break
+            clock = max(clock, float(arrivals[order[nxt]]))
+            continue
+        act = np.asarray(active)
+        per_rank = np.bincount(rank_of[act], minlength=ranks)
+        g = offsets[act] + pos[act]
+        for b in range(B):
+            # attention phase
+            t = [attn(int(n)) for n in per_rank]
+            for d in range(D):
+                if t[d] > 0:
+                    busy[d].append((clock, t[d]))
+            executions += int((per_rank > 0).sum())
+            rows_total += int(per_rank.sum())
+            clock += max(t) + lat
+            # expert phase
+            counts = np.bincount(routes[g, b].reshape(-1), minlength=E)
+            route_counts[b] += counts
+            dev_t = [0.0] * D
+            for e in range(E):
+                n = int(counts[e])
+                if n == 0:
+                    continue
+                if holders is None:
+                    dev_t[home[e]] += expert(n)
+                    executions += 1
+                else:
+                    devs = np.flatnonzero(holders[b][:, e])
+                    q, rem = divmod(n, len(devs))
+                    for j, d in enumerate(devs):
+                        m = q + (1 if j < rem else 0)
+                        if m:
+                            dev_t[d] += expert(m)
+                            executions += 1
+                rows_total += n
+            for d in range(D):
+                if dev_t[d] > 0:
+                    busy[d].append((clock, dev_t[d]))
+            clock += max(dev_t) + lat
+        t = [sampler(int(n)) for n in per_rank]
+        for d in range(D):
+            if t[d] > 0:
+                busy[d].append((clock, t[d]))
+        executions += int((per_rank > 0).sum())
+        rows_total += int(per_rank.sum())
+        clock += max(t)
+        tok_rid.append(act)
+        tok_time.append(np.full(len(act), clock))
+        pos[act] += 1
+        still = []
+        for rid in active:
+            if pos[rid] >= lengths[rid]:
+                admission.free[rank_of[rid]] += 1
+            else:
+                still.append(rid)
+        active = still
+    return SimResult(name or ("sync-repl" if replicate else "sync"),
+                     np.concatenate(tok_rid), np.concatenate(tok_time), admit_time, lengths,
+                     busy, D, executions, rows_total / max(executions, 1), route_counts,
+                     bool((pos >= lengths).all()), clock)
+
+
+# ------------------------------------------------------------------------------------------
+# asynchronous engine
+
+_DELIVER, _DONE, _WAKE = 0, 1, 2
+
+
+class _Queue:
+    __slots__ = ("chunks", "n")
+
+    def __init__(self):
+        self.chunks = collections.deque()   # [enqueue time, rids array]
+        self.n = 0
+
+    def push(self, t, rids):
+        self.chunks.append([t, rids])
+        self.n += len(rids)
+
+    def oldest(self):
+        return self.chunks[0][0]
+
+    def pop(self, m):
+        out, need = [], m
+        while need and self.chunks:
+            t, arr = self.chunks[0]
+            if len(arr) <= need:
+                out.append(arr)
+                need -= len(arr)
+                self.chunks.popleft()
+            else:
+                out.append(arr[:need])
+                self.chunks[0][1] = arr[need:]
+                need = 0
+        rids = out[0] if len(out) == 1 else np.concatenate(out)
+        self.n -= len(rids)
+        return rids
+
+
+def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
+              wave_admission: bool = False, name: str | None = None,
+              max_batch: int | None = None) -> SimResult:
+    """Asynchronous EP on `setup`'s layout with one `scheduler` policy object
+    (stateless) on every device. wave_admission: a new request's first token
+    waits for the next sampler output of its rank and joins that wave (at
+    once when the rank has no token in flight)."""
+    trace, costs = setup.trace, setup.costs
+    B, E, K = trace.num_blocks, trace.num_experts, trace.top_k
+    pl = setup.placement()
+    D, ranks = pl.num_devices, len(pl.rank_devices)
+    env = {kind: costs.of(kind) for kind in tk.KINDS}
+    max_batch = max_batch or min(e.max_rows for e in env.values())
+    layers = []
+    for d in range(D):
+        layers += pl.layers_on(d)
+    lid_of = {layer: i for i, layer in enumerate(layers)}
+    dev_of = [pl.device_of(layer) for layer in layers]
+    hosted = [[lid_of[layer] for layer in pl.layers_on(d)] for d in range(D)]
+    att = [[lid_of[tk.attention_layer(b, r)] for r in range(ranks)] for b in range(B)]
+    exp = [[lid_of[tk.expert_layer(b, e)] for e in range(E)] for b in range(B)]
+    samp = [lid_of[tk.sampler_layer(B, r)] for r in range(ranks)]
+    nxt_layer = [[att[b + 1][r] if b + 1 < B else samp[r] for r in range(ranks)]
+                 for b in range(B)]
+    queues = [_Queue() for _ in layers]
+    state = SchedulerState(B)
+    timed = hasattr(scheduler, "pick_timed")
+    cost_fn = lambda kind, n: env[kind](n)  # noqa: E731
+
+    R = len(arrivals)
+    admission = _Admission(ranks, setup.slots_per_rank)
+    rank_of = np.full(R, -1)
+    pos = np.zeros(R, np.int64)
+    parts_left = np.zeros(R, np.int64)
+    admit_time = np.full(R, np.nan)
+    order = np.argsort(arrivals, kind="stable")
+    waiting: collections.deque = collections.deque()
+    buffered = [[] for _ in range(ranks)]
+    in_flight = [0] * ranks            # tokens of the rank in the pipeline (not buffered)
+    att_phase = np.zeros((B, ranks))   # tokens queued/running at attention b of rank r
+    exp_phase = np.zeros((B, ranks))   # tokens with expert parts of block b outstanding
+    samp_phase = np.zeros(ranks)
+    inflight_exp = np.zeros(len(layers))
+    route_counts = np.zeros((B, E), np.int64)
+    busy_until = [0.0] * D
+    busy_log = [[] for _ in range(D)]
+    wake_at = [math.inf] * D
+    heap: list = []
+    seq = 0
+    tok_rid, tok_time = [], []
+    executions, rows_total = 0, 0
+    lat = setup.latency_s
+
+    def push(t, kind, dev, lid, rids):
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, dev, lid, rids))
+        seq += 1
+
+    def enqueue(lid, t, rids):
+        queues[lid].push(t, rids)
+
+    def start_tokens(r, rids, now):
+        """First/next tokens of rank r enter attention of block 0."""
+        if len(rids):
+            enqueue(att[0][r], now, rids)
+            att_phase[0, r] += len(rids)
+
+    def admit(now):
+        started = set()
+        idle = [n == 0 for n in in_flight]
+        while waiting:
+            r = admission.rank()
+            if r is None:
+                return started
+            rid = waiting.popleft()
+            rank_of[rid] = r
+            admit_time[rid] = now
+            if wave_admission and not idle[r]:
+                buffered[r].append(rid)
+            else:
+                in_flight[r] += 1
+                start_tokens(r, np.array([rid]), now)
+                started.add(pl.rank_devices[r])
+        return started
+
+    def incoming(lid):
+        layer = layers[lid]
+        if layer.kind == tk.EXPERT:
+            seen = route_counts[layer.block]
+            tot = seen.sum()
+            share = seen[layer.index] / tot if tot else 1.0 / E
+            return inflight_exp[lid] + att_phase[layer.block].sum() * K * share
+        if layer.kind == tk.SAMPLER:
+            return exp_phase[B - 1, layer.index]
+        if layer.block == 0:
+            return samp_phase[layer.index]
+        return exp_phase[layer.block - 1, layer.index]
+
+    def try_run(d, now):
+        nonlocal executions, rows_total
+        if busy_until[d] > now:
+            return
+        lengths_d = {layers[lid]: queues[lid].n for lid in hosted[d]}
+        if timed:
+            entries = [(layers[lid], queues[lid].n, queues[lid].oldest(), incoming(lid))
+                       for lid in hosted[d] if queues[lid].n]
+            layer, wake = scheduler.pick_timed(now, lengths_d, entries, cost_fn, state)
+        else:
+            layer, wake = scheduler.pick(lengths_d, state), None
+        if layer is None:
+            if wake is not None and wake < wake_at[d]:
+                wake_at[d] = wake
+                push(wake, _WAKE, d, -1, None)
+            return
+        lid = lid_of[layer]
+        rids = queues[lid].pop(max_batch)
+        spent = env[layer.kind](len(rids))
+        busy_until[d] = now + spent
+        busy_log[d].append((now, spent))
+        executions += 1
+        rows_total += len(rids)
+        push(now + spent, _DONE, d, lid, rids)
+
+    def done(d, lid, rids, now):
+        layer = layers[lid]
+        b = layer.block
+        if layer.kind == tk.ATTENTION:
+            r = layer.index
+            att_phase[b, r] -= len(rids)
+            exp_phase[b, r] += len(rids)
+            parts_left[rids] = K
+            picks = routes[offsets[rids] + pos[rids], b].reshape(-1).astype(np.int64)
+            owners = np.repeat(rids, K)
+            route_counts[b] += np.bincount(picks, minlength=E)
+            srt = np.argsort(picks, kind="stable")
+            picks, owners = picks[srt], owners[srt]
+            bounds = np.flatnonzero(np.diff(picks)) + 1
+            for grp_e, grp in zip(np.split(picks, bounds), np.split(owners, bounds)):
+                tgt = exp[b][int(grp_e[0])]
+                dest = dev_of[tgt]
+                inflight_exp[tgt] += len(grp)
+                push(now + (0.0 if dest == d else lat), _DELIVER, dest, tgt, grp)
+        elif layer.kind == tk.EXPERT:
+            rk = rank_of[rids]
+            for r in np.unique(rk):
+                grp = rids[rk == r]
+                tgt = nxt_layer[b][int(r)]
+                dest = dev_of[tgt]
+                push(now + (0.0 if dest == d else lat), _DELIVER, dest, tgt, grp)
+        else:
+            r = layer.index
+            samp_phase[r] -= len(rids)
+            tok_rid.append(rids)
+            tok_time.append(np.full(len(rids), now))
+            pos[rids] += 1
+            cont = rids[pos[rids] < lengths[rids]]
+            finished = len(rids) - len(cont)
+            in_flight[r] -= finished
+            admission.free[r] += finished
+            new, started = [], set()
+            if finished:
+                started = admit(now)
+            if buffered[r]:
+                new, buffered[r] = buffered[r], []
+                in_flight[r] += len(new)
+            start_tokens(r, np.concatenate([cont, np.asarray(new, np.int64)])
+                         if new else cont, now)
+            for dd in started:
+                if dd != d:
+                    try_run(dd, now)
+
+    def deliver(d, lid, rids, now):
+        layer = layers[lid]
+        if layer.kind == tk.EXPERT:
+            inflight_exp[lid] -= len(rids)
+            enqueue(lid, now, rids)
+            return
+        parts_left[rids] -= 1
+        ready = rids[parts_left[rids] == 0]
+        if len(ready):
+            r = layer.index
+            prev = B - 1 if layer.kind == tk.SAMPLER else layer.block - 1
+            exp_phase[prev, r] -= len(ready)
+            if layer.kind == tk.SAMPLER:
+                samp_phase[r] += len(ready)
+            else:
+                att_phase[layer.block, r] += len(ready)
+            enqueue(lid, now, ready)
+
+    nxt = 0
+    now = 0.0
+    while True:
+        t_arr = float(arrivals[order[nxt]]) if nxt < R else math.inf
+        t_ev = heap[0][0] if heap else math.inf
+        if t_arr == math.inf and t_ev == math.inf:
+            break
+        if t_arr <= t_ev:
+            now = t_arr
+            while nxt < R and arrivals[order[nxt]] <= now:
+                waiting.append(int(order[nxt]))
+                nxt += 1
+            for d in admit(now):
+                try_run(d, now)
+            continue
+        now, _, kind, d, lid, rids = heapq.heappop(heap)
+        if kind == _DELIVER:
+            deliver(d, lid, rids, now)
+            # deliveries due at the same time to the same device: take them all first
+            while heap and heap[0][0] == now and heap[0][2] == _DELIVER and heap[0][3] == d:
+                _, _, _, _, lid2, rids2 = heapq.heappop(heap)
+                deliver(d, lid2, rids2, now)
+            try_run(d, now)
+        elif kind == _DONE:
+            done(d, lid, rids, now)
+            try_run(d, now)
+        else:
+            if wake_at[d] == now:
+                wake_at[d] = math.inf
+            try_run(d, now)
+    end = max([now] + [b for b in busy_until])
+    label = name or getattr(scheduler, "name", "async")
+    return SimResult(label, np.concatenate(tok_rid) if tok_rid else np.zeros(0, np.int64),
+                     np.concatenate(tok_time) if tok_time else np.zeros(0), admit_time,
+                     lengths, busy_log, D, executions, rows_total / max(executions, 1),
+                     route_counts, bool((pos >= lengths).all()), end, layout=setup.layout)
+
+
+# ------------------------------------------------------------------------------------------
+# metrics
+
+
+def steady_window(result: SimResult, slots: int, warm_fraction: float = 0.1):
+    """[t0, t1]: from the admission of request number min(slots + 10% of R,
+    R / 2) (in admission order: the first wave and one tenth more have been
+    replaced) to the last admission (after it the system drains)."""
+    adm = np.sort(result.admit_time[~np.isnan(result.admit_time)])
+    R = len(adm)
+    i0 = min(slots + int(math.ceil(warm_fraction * R)), R // 2)
+    return float(adm[i0]), float(adm[-1])
+
+
+def stats(result: SimResult, slots: int) -> dict:
+    """Throughput, ITL mean/p99 and device utilization over the steady window."""
+    t0, t1 = steady_window(result, slots)
+    rid, t = result.token_rid, result.token_time
+    span = max(t1 - t0, 1e-12)
+    inside = (t >= t0) & (t <= t1)
+    order = np.lexsort((t, rid))
+    rs, ts = rid[order], t[order]
+    same = rs[1:] == rs[:-1]
+    gaps_ok = same & (ts[:-1] >= t0) & (ts[1:] <= t1)
+    gaps = (ts[1:] - ts[:-1])[gaps_ok]
+    util = []
+    for log in result.busy:
+        tot = 0.0
+        for s, dur in log:
+            e = s + dur
+            if e <= t0 or s >= t1:
+                continue
+            tot += min(e, t1) - max(s, t0)
+        util.append(tot / span)
+    return {"engine": result.engine, "layout": result.layout, "t0": t0, "t1": t1,
+            "tokens_per_s": float(inside.sum() / span),
+            "itl_mean_ms": float(gaps.mean() * 1e3) if len(gaps) else float("nan"),
+            "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3) if len(gaps) else float("nan"),
+            "util": util, "util_max": float(max(util)), "util_mean": float(np.mean(util)),
+            "executions": result.executions, "mean_batch": result.mean_batch,
+            "finished": result.finished}
+
+
+def route_digest(routes: np.ndarray, offsets, lengths) -> np.ndarray:
+    """[B, E] expert visits of every generated token: what every engine of a
+    run must execute."""
+    B = routes.shape[1]
+    E = int(routes.max()) + 1
+    return np.stack([np.bincount(routes[:, b].reshape(-1), minlength=E) for b in range(B)])
+
+
+def choose_attention_devices(costs, num_experts: int, top_k: int, concurrency: int,
+                             shares: np.ndarray) -> int:
+    """The paper's layout: the fewest attention devices A whose per-block
+    attention time at `concurrency` rows, attention(concurrency / A), does
+    not exceed the mean expert device's per-block time (one expert per
+    device), i.e. A from the attention/expert cost ratio."""
+    expert = costs.of(tk.EXPERT)
+    attn = costs.of(tk.ATTENTION)
+    mean_rows = concurrency * top_k * shares.mean(axis=0)   # [E]
+    per_expert = float(np.mean([expert(max(1, int(round(n)))) for n in mean_rows]))
+    for a in range(1, num_experts + 1):
+        if attn(int(math.ceil(concurrency / a))) <= per_expert:
+            return a
+    return num_experts

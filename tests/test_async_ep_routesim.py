@@ -1,0 +1,179 @@
+"""Routing-only simulation (moe_jax.async_ep.routesim): invariants, the hold
+scheduler's deadline and escalation, the cost envelope and the layouts."""
+
+import numpy as np
+import pytest
+
+from moe_jax.async_ep import routesim as rs
+from moe_jax.async_ep import tokens as tk
+from moe_jax.async_ep.costs import CostEnvelope, ProductionCosts, fine_buckets, interpolate
+from moe_jax.async_ep.dispatcher import Placement
+from moe_jax.async_ep.schedulers import HoldScheduler, SchedulerState, make_scheduler
+
+RECORD = "docs/benchmarks/experts/expert_ffn_1xH100.json"
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return ProductionCosts(RECORD, max_rows=256)
+
+
+def _workload(costs, mode="rotated", top_k=1, devices=4, layout="colocated", ranks=None,
+              rate=None, n=60):
+    trace = rs.TraceModel(4, 3, top_k, 3.0, mode, seed=1)
+    setup = rs.Setup(trace, costs, devices, ranks or devices, 16, layout=layout)
+    arr, ln = rs.Workload(n, (2, 6), rate, seed=2).requests()
+    routes, off = rs.make_routes(trace, ln, 3)
+    return setup, arr, ln, routes, off
+
+
+ENGINES = [("sync", {}), ("sync", {"replicate": 1}), ("defrag", {}), ("mtfs", {}),
+           ("flfs", {}), ("hold", {}), ("hold", {"idle_wait": False})]
+
+
+@pytest.mark.parametrize("mode", rs.MODES)
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("rate", [None, 2000.0])
+def test_every_request_completes_on_the_same_routes(costs, mode, top_k, rate):
+    setup, arr, ln, routes, off = _workload(costs, mode, top_k, rate=rate)
+    digest = rs.route_digest(routes, off, ln)
+    assert digest.sum() == ln.sum() * setup.trace.num_blocks * top_k
+    for kind, kw in ENGINES:
+        if kind == "sync":
+            res = rs.run_sync(setup, arr, ln, routes, off, **kw)
+        else:
+            res = rs.run_async(setup, make_scheduler(kind, **kw), arr, ln, routes, off,
+                               wave_admission=(kind == "hold"))
+        assert res.finished, (kind, kw)
+        assert (res.route_counts == digest).all(), (kind, kw)
+        assert np.bincount(res.token_rid, minlength=len(ln)).tolist() == ln.tolist()
+        # tokens of a request come in order, after its admission
+        for rid in range(len(ln)):
+            t = res.token_time[res.token_rid == rid]
+            assert (np.diff(t) > 0).all() and t[0] > res.admit_time[rid]
+        st = rs.stats(res, setup.total_slots)
+        assert st["tokens_per_s"] > 0 and all(0 <= u <= 1 + 1e-9 for u in st["util"])
+
+
+def test_disaggregated_paper_layout_runs(costs):
+    setup, arr, ln, routes, off = _workload(costs, devices=6, layout="disaggregated", ranks=2)
+    pl = setup.placement()
+    assert pl.rank_devices == (0, 1) and pl.expert_devices == (2, 3, 4, 5)
+    for kind in ("defrag", "hold"):
+        res = rs.run_async(setup, make_scheduler(kind), arr, ln, routes, off)
+        assert res.finished and (res.route_counts == rs.route_digest(routes, off, ln)).all()
+
+
+def test_trace_model_modes():
+    t = rs.TraceModel(8, 16, 1, 3.0, "rotated")
+    sh = t.shares()
+    assert np.allclose(sh.sum(1), 1) and (sh.argmax(1) == np.arange(16) % 8).all()
+    assert (rs.TraceModel(8, 16, 1, 3.0, "persistent").shares().argmax(1) == 0).all()
+    perm = rs.TraceModel(8, 16, 1, 3.0, "permuted", seed=5).permutations()
+    assert all(sorted(p) == list(range(8)) for p in perm)
+    routes = t.sample(20000, seed=0)
+    freq = np.stack([np.bincount(routes[:, b, 0], minlength=8) for b in range(16)]) / 20000
+    assert np.abs(freq - sh).max() < 0.02
+    top2 = rs.TraceModel(8, 4, 2, 3.0, "rotated").sample(500, seed=1)
+    assert (top2[..., 0] != top2[..., 1]).all()
+
+
+def test_cost_envelope_is_monotone():
+    env = CostEnvelope([1, 2, 4, 8], [5.0, 3.0, 4.0, 2.0])
+    assert env.seconds == [2.0, 2.0, 2.0, 2.0]
+    env = CostEnvelope([1, 2, 4, 8], [1.0, 3.0, 2.0, 5.0])
+    assert [env(n) for n in range(1, 9)] == [1.0, 2.0, 2.0, 2.0, 5.0, 5.0, 5.0, 5.0]
+    assert env(17) == 2 * 5.0 + 1.0
+    with pytest.raises(ValueError):
+        CostEnvelope([2, 1], [1.0, 1.0])
+    b = fine_buckets(2048)
+    assert b[:8] == list(range(1, 9)) and b[-1] == 2048 and b == sorted(set(b))
+    assert all(x % 8 == 0 for x in b[8:])
+    assert interpolate([1, 3], [10, 30], 0) == 10 and interpolate([1, 3], [10, 30], 2) == 20
+    assert interpolate([1, 3], [10, 30], 5) == 50
+
+
+def test_production_costs_from_the_record(costs):
+    for kind in tk.KINDS:
+        env = costs.of(kind)
+        vals = [env(n) for n in range(1, env.max_rows + 1)]
+        assert all(a <= b for a, b in zip(vals, vals[1:])), kind
+    # 4 rows per expert = the record's 32 total rows over 8 experts
+    assert costs.expert(4) == pytest.approx(1027.064e-6 / 8, rel=1e-6)
+    assert costs.source["source"] == RECORD and costs.source["dtype"] == "bf16"
+    assert "modelled" in costs.model["attention"] and "measured" in costs.model["expert"]
+
+
+def _entry(block, kind, index, n, oldest, incoming):
+    return (tk.LayerId(block, kind, index), n, oldest, incoming)
+
+
+def _flat(kind, n):
+    return 1.0 + 0.001 * n     # fixed-cost dominated: splitting a wave costs ~2x
+
+
+def test_hold_scheduler_holds_until_the_deadline():
+    s = HoldScheduler(hold_s=1e-3, slack=0.05)
+    state = SchedulerState(4)
+    frag = _entry(1, tk.EXPERT, 0, 3, 0.0, 20)
+    queues = {frag[0]: 3}
+    layer, wake = s.pick_timed(0.0005, queues, [frag], _flat, state)
+    assert layer is None and wake == pytest.approx(1e-3)
+    layer, wake = s.pick_timed(0.001, queues, [frag], _flat, state)
+    assert layer == frag[0] and wake is None
+    # nothing incoming: not a fragment
+    whole = _entry(1, tk.EXPERT, 0, 3, 0.0, 0)
+    assert s.pick_timed(0.0, queues, [whole], _flat, state)[0] == frag[0]
+    # linear costs: splitting is free, so nothing is held
+    assert s.pick_timed(0.0, queues, [frag], lambda k, n: 1e-6 * n, state)[0] == frag[0]
+    # the device has other work: the fragment waits, the whole queue runs
+    other = _entry(2, tk.ATTENTION, 0, 1, 0.0, 0)
+    q2 = {frag[0]: 3, other[0]: 1}
+    assert s.pick_timed(0.0, q2, [frag, other], _flat, state)[0] == other[0]
+    # work-conserving variant: an idle device runs the fragment
+    s2 = HoldScheduler(hold_s=1e-3, slack=0.05, idle_wait=False)
+    assert s2.pick_timed(0.0, queues, [frag], _flat, state)[0] == frag[0]
+
+
+def test_hold_scheduler_escalates_after_30ms():
+    s = HoldScheduler(hold_s=1.0)
+    state = SchedulerState(4)
+    big = _entry(0, tk.ATTENTION, 0, 50, 0.020, 0)
+    old = _entry(3, tk.EXPERT, 1, 1, 0.0, 100)
+    queues = {big[0]: 50, old[0]: 1}
+    assert s.pick_timed(0.029, queues, [big, old], _flat, state)[0] == big[0]
+    assert s.pick_timed(0.030, queues, [big, old], _flat, state)[0] == old[0]
+
+
+def test_hold_lookahead_is_capped_at_stages_minus_one():
+    q = {tk.attention_layer(0, 0): 2, tk.sampler_layer(1, 0): 5}
+    capped = HoldScheduler(lookahead=7, decay=1.0).scores(q, SchedulerState(1))
+    one = make_scheduler("defrag", lookahead=1, decay=1.0).scores(q, SchedulerState(1))
+    assert capped == one
+    with pytest.raises(ValueError):
+        HoldScheduler(escalate_s=0)
+
+
+def test_paper_layout_attention_devices(costs):
+    shares = rs.TraceModel(8, 16, 1, 3.0).shares()
+    a = rs.choose_attention_devices(costs, 8, 1, 256, shares)
+    assert a >= 1
+    pl = Placement.disaggregated(a + 8, a, 8, 16)
+    assert len(set(pl.expert_devices)) == 8 and not set(pl.expert_devices) & set(pl.rank_devices)
+
+    class Heavy:   # attention 4x an expert: more attention devices
+        def of(self, kind):
+            return costs.expert if kind != tk.ATTENTION else CostEnvelope([256], [4 * costs.expert(256)])
+    assert rs.choose_attention_devices(Heavy(), 8, 1, 256, shares) > a
+
+
+def test_replicated_holders_split_the_hot_expert(costs):
+    trace = rs.TraceModel(8, 4, 1, 3.0, "rotated")
+    setup = rs.Setup(trace, costs, 8, 8, 64)
+    holders = rs.replicated_holders(setup, 1)
+    for b, h in enumerate(holders):
+        assert h[b % 8, b % 8] and h[:, b % 8].sum() >= 2     # hot expert replicated
+        assert (h.sum(0) >= 1).all()
+    setup4 = rs.Setup(rs.TraceModel(8, 2, 2, 3.0, "persistent"), costs, 4, 4, 64)
+    h = rs.replicated_holders(setup4, 1)[0]
+    assert h[0, 0] and h[0, 4] and h[:, 0].sum() >= 2

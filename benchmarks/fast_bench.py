@@ -35,6 +35,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from benchmarks.provenance import code_meta, portable_command
 from moe_jax import cli
 
 from moe_jax.fast import cpp
@@ -98,7 +99,7 @@ def _meta(extra):
   return dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
-      command="python " + " ".join(sys.argv),
+      command=portable_command("python " + " ".join(sys.argv)),
       device=f"{FLAGS.device_label} ({cpu}, {os.cpu_count()} logical cores)",
       python=platform.python_version(), numpy=np.__version__,
       jax=jax.__version__, **extra)
@@ -162,6 +163,7 @@ def write_runtime(results, meta):
     json.dump(dict(meta=meta, results=results), f, indent=1)
   lines = ["# FAST scheduler runtime (C++, moe_jax._fast)", "",
            f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+           f"- commit: {meta.get('commit')}",
            f"- device: {meta['device']}",
            f"- Python {meta['python']}, numpy {meta['numpy']}, jax {meta['jax']}",
            f"- {FLAGS.gpus_per_server} GPUs per server, {FLAGS.matrices} fresh "
@@ -264,6 +266,7 @@ def write_simulation(results, meta, fabric):
   up, so = fabric.scale_up, fabric.scale_out
   lines = ["# FAST simulated all-to-all(v) completion time vs the bound", "",
            f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+           f"- commit: {meta.get('commit')}",
            f"- computed on: {meta['device']}",
            f"- Python {meta['python']}, numpy {meta['numpy']}, jax {meta['jax']}",
            f"- fabric: scale-up {up.bandwidth_Bps / 1e9:.0f} GB/s per GPU, "
@@ -500,21 +503,6 @@ def write_executed(results, meta):
     f.write("\n".join(lines) + "\n")
 
 
-def _commit():
-  import subprocess
-  try:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"],
-                          capture_output=True, text=True, check=True)
-    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
-                            "--untracked-files=no"],
-                           capture_output=True, text=True, check=True)
-    return head.stdout.strip() + (" (with uncommitted changes)"
-                                  if dirty.stdout.strip() else "")
-  except (OSError, subprocess.CalledProcessError):
-    return None
-
-
 def main(argv):
   del argv
   if not FLAGS.out:
@@ -524,7 +512,7 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   rng = np.random.default_rng(FLAGS.seed)
   runtime = run_runtime(rng)
-  meta = _meta({"commit": _commit()})
+  meta = _meta(code_meta())
   write_runtime(runtime, meta)
   if runtime:
     print("wrote", os.path.join(FLAGS.out, f"fast_scheduler{FLAGS.suffix}.md"))

@@ -64,13 +64,11 @@ def resolve_transport(config: MoEConfig, mesh=None) -> TransportChoice:
     over the mesh's devices; any other transport is returned as given (with
     the reason "configured"). Runs on the host, outside jit.
     """
-    platform = _platform(mesh)
-    devices = tuple(mesh.devices.flat) if mesh is not None else ()
     if config.transport != "auto":
         return TransportChoice(config.transport, "configured")
     if config.strategy == "dense" or mesh is None:
-        return choose_transport("dense", platform, ())
-    return choose_transport(config.strategy, platform, devices)
+        return choose_transport("dense", _platform(mesh), ())
+    return choose_transport(config.strategy, _platform(mesh), tuple(mesh.devices.flat))
 
 
 def _transport(config: MoEConfig, mesh) -> str:

@@ -70,7 +70,10 @@ def _p2p(libs, a, b, index: int) -> bool | None:
     return status.value == _NVML_P2P_STATUS_OK
 
 
+@functools.lru_cache(maxsize=None)
 def _link_of_ordinals(ordinals: tuple[int, ...]) -> str:
+    """The link of a group of local CUDA ordinals; asked of NVML once per group
+    (the layer asks at every trace)."""
     libs = _libraries()
     if libs is None:
         return "unknown"

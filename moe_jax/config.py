@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal, get_args
 
 import jax.numpy as jnp
 import numpy as np
 
 Strategy = Literal["dense", "max_counts", "cap_and_spill", "ragged"]
-Transport = Literal["auto", "lax", "custom_call", "nvlink"]
+Transport = Literal["auto", "lax", "custom_call", "nvlink", "fast"]
 Matmul = Literal["auto", "cutlass", "row_invariant", "xla"]
 KernelImpl = Literal["custom_call", "reference"]
 RouterKind = Literal["softmax", "sigmoid_grouped"]
@@ -53,11 +54,19 @@ class MoEConfig:
         real rows; the GPUs of one host, in one process or one per GPU
         under jax.distributed; strategies ragged and cap_and_spill; a
         warning is logged when the GPUs are peers over PCIe only) or
-        "auto" (chosen from the devices' topology when the layer is
-        traced, see moe_jax.topology; `moe_jax.resolve_transport` says
-        what it picks and why, and the layer logs it). On GPUs the rare
+        "fast" (strategy ragged: the rows move along the FAST schedule of
+        each call's traffic matrix on the two-tier `fast_topology`; see
+        moe_jax.fast.transport) or "auto" (chosen from the devices'
+        topology when the layer is traced, see moe_jax.topology, never
+        "fast"; `moe_jax.resolve_transport` says what it picks and why,
+        and the layer logs it). On GPUs the rare
         exact fallback of cap_and_spill runs `lax.all_to_all` whatever the
         transport (docs/design/cap_and_spill_fallback.md).
+      fast_topology: with transport "fast": servers x GPUs per server of
+        one expert-parallel group, as "NxM" (N * M must equal the expert
+        axis' size; rank r is GPU r % M of server r // M). None: detected
+        from `nvidia-smi topo -m` on GPUs (NVLink islands are servers), one
+        server of P on CPU.
       dispatch_fp8: with transport "nvlink", send tokens as e4m3 with one
         float32 scale per 128 elements (about half the bytes of bf16; see
         moe_jax.nvlink) and dequantize them to bf16 for the experts; the
@@ -115,6 +124,7 @@ class MoEConfig:
     param_dtype: jnp.dtype = jnp.float32
     dispatch_fp8: bool = False
     matmul: str = "auto"
+    fast_topology: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_size", "num_experts", "top_k"):
@@ -127,6 +137,17 @@ class MoEConfig:
                  f"must be one of {STRATEGIES}, got {self.strategy!r}")
         _require(self.transport in TRANSPORTS, "transport",
                  f"must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "fast":
+            _require(self.strategy in ("ragged", "dense"), "strategy",
+                     "transport 'fast' moves the ragged strategy's rows (only real rows, "
+                     f"buffers sized for the worst case): use 'ragged', got {self.strategy!r}")
+        if self.fast_topology is not None:
+            _require(self.transport == "fast", "fast_topology",
+                     f"is only used by transport 'fast', got transport={self.transport!r}")
+            _require(isinstance(self.fast_topology, str)
+                     and re.fullmatch(r"\s*[1-9]\d*\s*[xX]\s*[1-9]\d*\s*", self.fast_topology),
+                     "fast_topology", "must look like '2x4' (servers x GPUs per server), "
+                     f"got {self.fast_topology!r}")
         if self.dispatch_fp8:
             _require(self.transport == "nvlink" and jnp.dtype(self.dtype) == jnp.bfloat16
                      and self.hidden_size % 512 == 0, "dispatch_fp8",

@@ -13,7 +13,8 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
 from moe_jax.routing import load_balancing_loss, route, router_logits, router_z_loss
-from moe_jax.topology import TransportChoice, choose_transport, logger, peer_link
+from moe_jax.topology import (TransportChoice, choose_transport, fast_topology, logger,
+                              peer_link)
 
 
 class MoEParams(NamedTuple):
@@ -194,10 +195,13 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
                          f"split evenly over the {num_ranks * data_ranks} ranks of mesh axes "
                          f"{token_axes}")
-    ctx = DispatchContext(axis, num_ranks, _transport(config, mesh), config.kernel_impl,
+    transport = _transport(config, mesh)
+    ctx = DispatchContext(axis, num_ranks, transport, config.kernel_impl,
                           _platform(mesh), tuple(mesh.devices.flat),
                           dispatch_fp8=config.dispatch_fp8, data_axes=config.data_axes,
-                          data_ranks=data_ranks)
+                          data_ranks=data_ranks,
+                          fast_topology=fast_topology(config.fast_topology, mesh, axis)
+                          if transport == "fast" else None)
     expert_spec = ExpertWeights(P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
     delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None

@@ -9,6 +9,9 @@ process). PCIe peer links move an all-to-all ~20x slower than NVLink (an
 "NV#" against "NODE"/"SYS" in `nvidia-smi topo -m`), so the transport
 choice below depends on it.
 
+`fast_topology(spec, mesh, axis)` is the servers x GPUs layout transport
+"fast" schedules over (given, or detected from `nvidia-smi topo -m`).
+
 `choose_transport(strategy, platform, devices)` is what
 `MoEConfig(transport="auto")` runs: the count-aware NVLink kernels where
 every GPU of the group is an NVLink peer of every other in this process
@@ -24,6 +27,11 @@ import ctypes
 import functools
 import logging
 from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from moe_jax.fast.topology import Topology, detect_topology
 
 logger = logging.getLogger("moe_jax")
 
@@ -138,3 +146,37 @@ def choose_transport(strategy: str, platform: str, devices: Sequence,
                                       "lax.ragged_all_to_all moves the real rows")
     return TransportChoice("custom_call", f"the {len(devices)} GPUs are {where}: moe_jax's "
                                           "NCCL all-to-all moves the padded buffers")
+
+
+def fast_topology(spec: str | None, mesh, expert_axis: str):
+    """The moe_jax.fast.Topology transport "fast" schedules over: that of
+    one expert-parallel group (the ranks along `expert_axis`).
+
+    `spec` ("NxM", MoEConfig.fast_topology) is taken as given and must have
+    the axis' size in GPUs. None: on CPU one server of P devices; on GPUs
+    read from `nvidia-smi topo -m` for the first group's GPUs (NVLink
+    islands are servers; moe_jax.fast.topology), which must be GPUs of this
+    process (otherwise give it). Raises ValueError naming the argument.
+    """
+    axis = list(mesh.axis_names).index(expert_axis)
+    group = np.moveaxis(np.asarray(mesh.devices), axis, 0).reshape(mesh.shape[expert_axis], -1)
+    devices = list(group[:, 0])
+    num_ranks = len(devices)
+    platform = devices[0].platform
+    if platform == "cpu" and len({d.process_index for d in mesh.devices.flat}) > 1:
+        raise ValueError("MoEConfig.transport: 'fast' runs on CPU through the in-process "
+                         "all-to-all custom call, which cannot cross processes")
+    if spec is not None:
+        topology = Topology.parse(spec)
+        if topology.num_gpus != num_ranks:
+            raise ValueError(f"MoEConfig.fast_topology: {spec!r} has {topology.num_gpus} "
+                             f"GPUs but mesh axis {expert_axis!r} has {num_ranks} ranks")
+        return topology
+    if platform == "cpu":
+        return Topology(1, num_ranks, "default", "CPU devices")
+    local = {d.id for d in jax.local_devices(backend=platform)}
+    if any(d.id not in local for d in devices):
+        raise ValueError("MoEConfig.fast_topology: cannot be detected for GPUs of other "
+                         "processes; give it as 'NxM' (servers x GPUs per server)")
+    return detect_topology(num_ranks,
+                           gpu_indices=[int(d.local_hardware_id) for d in devices])

@@ -92,9 +92,18 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                f"must be an integer >= 1 for cap_and_spill, got {capacity!r}")
         _check(spill_capacity is not None and spill_capacity >= 0, "spill_capacity",
                f"must be an integer >= 0 for cap_and_spill, got {spill_capacity!r}")
-    _check(ctx.transport in ("lax", "custom_call", "nvlink"), "ctx",
-           f"transport must be 'lax', 'custom_call' or 'nvlink' (resolve 'auto' with "
-           f"moe_jax.resolve_transport), got {ctx.transport!r}")
+    _check(ctx.transport in ("lax", "custom_call", "nvlink", "fast"), "ctx",
+           f"transport must be 'lax', 'custom_call', 'nvlink' or 'fast' (resolve 'auto' "
+           f"with moe_jax.resolve_transport), got {ctx.transport!r}")
+    if ctx.transport == "fast" and strategy != "dense" and ctx.num_ranks > 1:
+        _check(strategy == "ragged", "strategy",
+               f"must be 'ragged' with transport 'fast' (FAST moves only the real rows "
+               f"into buffers sized for the worst case, which is what 'ragged' sends), got "
+               f"{strategy!r}")
+        topology = ctx.fast_topology
+        _check(topology is not None and getattr(topology, "num_gpus", None) == ctx.num_ranks,
+               "ctx", f"must carry a fast_topology of num_ranks={ctx.num_ranks} GPUs for "
+               f"transport 'fast', got {topology}")
     if strategy == "ragged" and ctx.transport == "custom_call" and ctx.platform == "gpu" \
             and ctx.num_ranks > 1:
         _check(False, "ctx", "transport 'custom_call' has no ragged exchange on GPUs (NCCL "

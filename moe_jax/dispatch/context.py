@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import custom_calls, manual_axes
+from moe_jax.fast import transport as fast_transport
 
 
 def _opaque_zero(x: jax.Array) -> jax.Array:
@@ -70,6 +71,10 @@ def _xla_ragged_bwd(send_rows, recv_rows, axis_name, residuals, cotangents):
 _xla_ragged.defvjp(_xla_ragged_fwd, _xla_ragged_bwd)
 
 
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatchContext:
     """Static facts a strategy needs while tracing.
@@ -79,7 +84,9 @@ class DispatchContext:
     transport: "lax" (XLA collectives), "custom_call" (moe_jax's own: the
       in-process all-to-all on CPU, NCCL on XLA's communicator on GPU) or
       "nvlink" (count-aware peer-to-peer kernels, the GPUs of one host in
-      one or several processes; strategies "ragged" and "cap_and_spill").
+      one or several processes; strategies "ragged" and "cap_and_spill")
+      or "fast" (the ragged strategy's rows along the FAST schedule of the
+      traffic matrix on `fast_topology`; moe_jax.fast.transport).
     kernel_impl: "custom_call" or "reference" for pack / combine.
     platform: "cpu" or "gpu" (the platform the program is compiled for).
     mesh_devices: the mesh's devices in mesh order (needed by "nvlink").
@@ -90,6 +97,8 @@ class DispatchContext:
       group of `num_ranks` ranks along axis_name. Strategies never cross
       them; only the `*_tokens` reductions do.
     data_ranks: product of the data_axes' sizes (1 without them).
+    fast_topology: "fast" only: the moe_jax.fast.Topology of one group's
+      num_ranks ranks (servers x GPUs per server).
 
     On CPU every collective a strategy issues goes through this context,
     which chains them by data dependencies into one program order. XLA:CPU runs independent operations concurrently on a
@@ -106,6 +115,7 @@ class DispatchContext:
     dispatch_fp8: bool = False
     data_axes: tuple[str, ...] = ()
     data_ranks: int = 1
+    fast_topology: object | None = None
     _chain: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -181,6 +191,26 @@ class DispatchContext:
             lambda *a: custom_calls.ragged_all_to_all(*a, recv_rows=recv_rows,
                                                       axis_name=self.axis_name, impl=impl),
             send, send_offsets, send_sizes, recv_offsets)
+
+    def grouped_all_to_all(self, send, send_sizes, recv_sizes, recv_rows):
+        """Ragged all-to-all of contiguous groups: rows for each destination
+        one after the other from row 0 of `send`, in rank order
+        (`send_sizes` [P] int32), land on each receiver one source after the
+        other from row 0 (`recv_sizes` [P] int32, this rank's own).
+
+        Returns (recv [recv_rows, ...], recv_sizes [P]); rows past the total
+        are zero. Transport "fast" moves them along the FAST schedule
+        (moe_jax.fast.transport), every other one through ragged_all_to_all
+        with offsets the exclusive sums of the sizes. Differentiable.
+        """
+        if self.transport != "fast" or self.axis_name is None or self.num_ranks == 1:
+            return self.ragged_all_to_all(send, _exclusive_cumsum(send_sizes), send_sizes,
+                                          _exclusive_cumsum(recv_sizes), recv_rows)
+        return self._collective(
+            lambda s, c: fast_transport.fast_all_to_all(
+                s, c, axis_name=self.axis_name, topology=self.fast_topology,
+                out_rows=recv_rows, platform=self.platform),
+            send, send_sizes)
 
     def all_gather(self, x: jax.Array) -> jax.Array:
         """[P, ...]: every rank's x, stacked by rank ([1, ...] for one rank).

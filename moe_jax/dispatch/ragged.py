@@ -25,16 +25,16 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
                               top_k=plan.top_k, start=0, capacity=num_slots, spill_capacity=0)
     recv_counts = jnp.sum(recv_expert_counts, axis=1).astype(jnp.int32)
     recv_offsets = exclusive_cumsum(recv_counts)
-    rows, _ = ctx.ragged_all_to_all(send[0], plan.send_offsets, plan.send_counts, recv_offsets,
-                                    recv_rows)
+    # Streams lie one after the other on both sides (send_offsets and
+    # recv_offsets are the exclusive sums of the counts).
+    rows, _ = ctx.grouped_all_to_all(send[0], plan.send_counts, recv_counts, recv_rows)
     r = jnp.arange(recv_rows, dtype=jnp.int32)
     src = jnp.clip(jnp.sum(r[:, None] >= (recv_offsets + recv_counts)[None, :], axis=1),
                    0, num_ranks - 1).astype(jnp.int32)
     q = r - recv_offsets[src]
     local, canonical = locate_rows(src, q, recv_expert_counts)
     out_rows = run_experts(rows, local, num_local, expert_fn)
-    back, _ = ctx.ragged_all_to_all(out_rows, recv_offsets, recv_counts, plan.send_offsets,
-                                    num_slots)
+    back, _ = ctx.grouped_all_to_all(out_rows, recv_counts, plan.send_counts, num_slots)
     stream_pos = jnp.where(plan.pos == DROPPED_POS, DROPPED_POS,
                            plan.send_offsets[plan.dest] + plan.pos)
     out = ctx.combine(back[None], no_spill, jnp.zeros_like(plan.dest), stream_pos, weights,

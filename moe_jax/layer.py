@@ -12,6 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
+from moe_jax.plan import kept_picks
+from moe_jax.replicated import check_placement, dense_slot_ids, slot_ids, tie_copies
+from moe_jax.replication import PlacementArrays
 from moe_jax.routing import load_balancing_loss, route, router_logits, router_z_loss
 from moe_jax.topology import (TransportChoice, choose_transport, fast_topology, logger,
                               peer_link)
@@ -20,7 +23,9 @@ from moe_jax.topology import (TransportChoice, choose_transport, fast_topology, 
 class MoEParams(NamedTuple):
     """router: [H, E]; router_bias: [E] selection bias (sigmoid router) or
     None; experts: stacked [E, ...] SwiGLU weights (sharded over the expert
-    axis under expert parallelism)."""
+    axis under expert parallelism), or with a placement (hot-expert
+    replication) [P * S, ...] weights, one per physical slot
+    (`moe_jax.replicated.slot_weights`)."""
 
     router: jax.Array
     router_bias: jax.Array | None
@@ -29,12 +34,16 @@ class MoEParams(NamedTuple):
 
 class MoEAux(NamedTuple):
     """load_balance_loss, router_z_loss: float32 scalars (unweighted);
-    stats: DispatchStats; delivered: rows each expert received (debug)."""
+    stats: DispatchStats; delivered: rows each expert (or, with a placement,
+    each slot) received (debug); expert_rows: [E] int32 rows routed to each
+    logical expert, every rank and data group together (what
+    `moe_jax.replication.LoadTracker.update` reads)."""
 
     load_balance_loss: jax.Array
     router_z_loss: jax.Array
     stats: DispatchStats
     delivered: Delivered | None = None
+    expert_rows: jax.Array | None = None
 
     def weighted_loss(self, config: MoEConfig) -> jax.Array:
         return (config.load_balance_coef * self.load_balance_loss
@@ -123,12 +132,29 @@ def _expert_fn(experts: ExpertWeights, config: MoEConfig, platform: str):
 
 
 def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
-                        ctx: DispatchContext, return_delivered: bool):
+                        ctx: DispatchContext, return_delivered: bool,
+                        placement: PlacementArrays | None = None):
+    experts = params.experts
+    if placement is not None:   # tied before routing: its gradient ends the backward
+        if ctx.axis_name is None:
+            local = placement.slot_expert.reshape(-1)
+            experts, tokens = tie_copies(experts, tokens, placement, local)
+        else:
+            local = placement.slot_expert[ctx.rank()]
+            experts, tokens = tie_copies(experts, tokens, placement, local,
+                                         lambda t: jax.lax.psum(t, ctx.axis_name))
     routing = route(router_logits(tokens, params.router, config), config, params.router_bias)
+    ids = routing.expert_ids
+    if placement is not None:
+        if ctx.axis_name is None:
+            ids = dense_slot_ids(ids, placement)
+        else:
+            rank = ctx.rank()
+            ids = slot_ids(ids, placement, rank, rank * tokens.shape[0])
     result = dispatch_combine(
-        tokens.astype(config.dtype), routing.expert_ids, routing.weights,
-        _expert_fn(params.experts, config, ctx.platform), strategy=config.strategy, ctx=ctx,
-        experts_per_rank=params.experts.num_experts, capacity=config.capacity,
+        tokens.astype(config.dtype), ids, routing.weights,
+        _expert_fn(experts, config, ctx.platform), strategy=config.strategy, ctx=ctx,
+        experts_per_rank=experts.num_experts, capacity=config.capacity,
         spill_capacity=config.spill_capacity, return_delivered=return_delivered)
     psum = ctx.psum_tokens if ctx.axis_name is not None else None
     stats = result.stats
@@ -136,13 +162,19 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
         first = ctx.rank() == 0
         once = lambda tree: jax.tree.map(lambda v: jnp.where(first, v, 0), tree)  # noqa: E731
         stats = stats.over_groups(lambda t: ctx.psum_tokens(once(t)), ctx.pmax_tokens)
+    kept = kept_picks(routing.expert_ids, config.num_experts)
+    expert_rows = jnp.zeros((config.num_experts,), jnp.int32).at[
+        jnp.where(kept, routing.expert_ids, config.num_experts)].add(1, mode="drop")
+    if psum is not None:
+        expert_rows = psum(expert_rows)
     aux = MoEAux(load_balancing_loss(routing, config.num_experts, psum),
-                 router_z_loss(routing, psum), stats, result.delivered)
+                 router_z_loss(routing, psum), stats, result.delivered, expert_rows)
     return result.out, aux
 
 
 def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
               mesh: jax.sharding.Mesh | None = None, *,
+              placement: PlacementArrays | None = None,
               return_delivered: bool = False) -> tuple[jax.Array, MoEAux]:
     """Applies the MoE layer to x.
 
@@ -154,6 +186,14 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
       config: MoEConfig.
       mesh: mesh holding `config.expert_axis` and `config.data_axes` (not
         needed for "dense").
+      placement: hot-expert replication (`moe_jax.replication`): the
+        `Placement.device_arrays()` of E experts on P x S slots, P the size
+        of the expert axis (any P for "dense"); params.experts then holds
+        P * S slots' weights. A jitted argument: a new placement of the same
+        shapes does not recompile. Each pick goes to a slot holding its
+        expert (the replica on its own rank, else one by a hash of the
+        token's index); the copies' gradients are summed (`tie_copies`).
+        None: params.experts holds the E experts.
       return_delivered: return the rows each expert received in
         aux.delivered, every rank's split over the same axes as the tokens.
     Returns:
@@ -169,11 +209,21 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'params.router' must be "
                          f"[{config.hidden_size}, {config.num_experts}], "
                          f"got {list(params.router.shape)}")
+    if placement is None and params.experts.num_experts != config.num_experts:
+        raise ValueError(f"moe_layer: argument 'params.experts' must hold num_experts="
+                         f"{config.num_experts} experts without a placement, got "
+                         f"{params.experts.num_experts}")
+    if placement is not None:
+        ranks = None if config.strategy == "dense" else (
+            mesh.shape.get(config.expert_axis) if mesh is not None else None)
+        check_placement(placement, config.num_experts, ranks, params.experts.num_experts,
+                        "moe_layer")
     if config.strategy == "dense":
         tokens = _flatten(x, mesh, P())
         ctx = DispatchContext(None, 1, _transport(config, None), config.kernel_impl,
                               _platform(mesh))
-        out, aux = _route_and_dispatch(params, tokens, config, ctx, return_delivered)
+        out, aux = _route_and_dispatch(params, tokens, config, ctx, return_delivered,
+                                       placement)
         return _unflatten(out, x, mesh), aux
     axis = config.expert_axis
     if mesh is None or axis not in mesh.axis_names:
@@ -205,14 +255,19 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
     expert_spec = ExpertWeights(P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
     delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
-    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)), delivered_spec)
+    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)),
+                      delivered_spec, P())
+    placement_spec = None if placement is None else PlacementArrays(P(), P(), P(), P())
 
-    def body(p, t):
-        return _route_and_dispatch(p, t, config, ctx, return_delivered)
+    def body(p, t, placed):
+        return _route_and_dispatch(p, t, config, ctx, return_delivered, placed)
 
     shard = lambda spec, a: _place(a, mesh, spec)
     params = jax.tree.map(shard, param_specs, params)
     tokens = shard(token_spec, tokens)
-    out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, token_spec),
-                             out_specs=(token_spec, aux_spec))(params, tokens)
+    if placement is not None:
+        placement = PlacementArrays(*(shard(P(), jnp.asarray(a, jnp.int32))
+                                      for a in placement))
+    out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, token_spec, placement_spec),
+                             out_specs=(token_spec, aux_spec))(params, tokens, placement)
     return _unflatten(out, x, mesh, token_spec, num_ranks * data_ranks), aux

@@ -5,8 +5,10 @@
 holds (``slot_expert [P, S]``); an expert may sit on several ranks (its
 *replicas*). This module holds the placement model, the rule that sends each
 pick of a replicated expert to one replica, the host-side load tracker and
-the rebalancer that proposes a placement. The layer does not use it yet (see
-``docs/design/replication.md``).
+the rebalancer that proposes a placement. The layer takes a placement as
+:class:`PlacementArrays` (``moe_layer(..., placement=)``; the device side is
+``moe_jax.replicated``); ``moe_jax.rebalance`` moves weights between
+placements (see ``docs/design/replication.md``).
 
 Replicas
 --------
@@ -70,12 +72,12 @@ defaults of the seed field report).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LoadTracker", "Placement", "choose_replica", "choose_replica_np",
+__all__ = ["LoadTracker", "Placement", "PlacementArrays", "choose_replica", "choose_replica_np",
            "expected_rank_loads", "hash32_np", "hash32", "propose"]
 
 DEFAULT_ALPHA = 0.99
@@ -95,6 +97,43 @@ def _check_positive_int(name: str, value: Any) -> int:
 # --------------------------------------------------------------------------
 # Placement
 # --------------------------------------------------------------------------
+
+
+class PlacementArrays(NamedTuple):
+    """A placement as the jitted layer takes it (:meth:`Placement.device_arrays`).
+
+    All int32; a pytree of arrays, so a new placement of the same ``P``,
+    ``S`` and ``E`` does not recompile. Shapes fix ``P``, ``S`` and ``E``.
+
+    slot_expert: ``[P, S]`` the logical expert each slot holds.
+    local_slot: ``[P, E]`` global slot of ``e`` on rank ``p`` (its lowest
+      slot there), ``-1`` where ``p`` does not hold ``e``.
+    replica_slots: ``[E, P]`` ``e``'s replicas by increasing rank, padded
+      with its first replica.
+    num_replicas: ``[E]`` ranks holding each expert (>= 1).
+    """
+
+    slot_expert: Any
+    local_slot: Any
+    replica_slots: Any
+    num_replicas: Any
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.slot_expert.shape[0])
+
+    @property
+    def slots_per_rank(self) -> int:
+        return int(self.slot_expert.shape[1])
+
+    @property
+    def num_slots(self) -> int:
+        """``P * S``: the leading dimension of the slot expert weights."""
+        return self.num_ranks * self.slots_per_rank
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.local_slot.shape[1])
 
 
 class Placement:
@@ -207,6 +246,33 @@ class Placement:
                 v.setflags(write=False)
             self._arrays = arrays
         return self._arrays
+
+    def device_arrays(self) -> PlacementArrays:
+        """:meth:`as_arrays` as a :class:`PlacementArrays` of ``jnp`` arrays (the
+        ``placement`` input of ``moe_jax.moe_layer``)."""
+        a = self.as_arrays()
+        return PlacementArrays(*(jnp.asarray(a[k]) for k in PlacementArrays._fields))
+
+    def source_slots(self, old: "Placement") -> np.ndarray:
+        """``[P * S]`` int32: for each global slot of this placement, a slot of
+        ``old`` holding the same expert: the same slot when it already does,
+        else the lowest slot of that expert on the same rank, else the
+        expert's first replica in ``old`` (the weights then cross ranks)."""
+        if (old.num_experts, old.num_ranks, old.slots_per_rank) != (
+                self.num_experts, self.num_ranks, self.slots_per_rank):
+            raise ValueError(f"old: a placement of E={old.num_experts}, P={old.num_ranks}, "
+                             f"S={old.slots_per_rank}; this one has E={self.num_experts}, "
+                             f"P={self.num_ranks}, S={self.slots_per_rank}")
+        P, S = self.num_ranks, self.slots_per_rank
+        a = old.as_arrays()
+        new = self.slot_expert
+        rank = np.repeat(np.arange(P), S).reshape(P, S)
+        same = old.slot_expert == new
+        on_rank = a["local_slot"][rank, new]
+        first = a["replica_slots"][new, 0]
+        here = (rank * S + np.arange(S)[None, :])
+        src = np.where(same, here, np.where(on_rank >= 0, on_rank, first))
+        return src.reshape(-1).astype(np.int32)
 
     # -- constructors ---------------------------------------------------------
     @classmethod

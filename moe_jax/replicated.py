@@ -1,0 +1,205 @@
+"""Replicated experts inside the layer: picks to slots, copies' gradients tied.
+
+With a placement (``moe_jax.replication``), expert weights are stored per
+physical slot, ``[P * S, ...]`` split over the expert axis (rank ``p`` holds
+global slots ``p * S .. p * S + S - 1``), and every slot holds the weights
+of the logical expert ``slot_expert`` names. The dispatch plan then works on
+global slot ids exactly as it works on expert ids without replication (a
+slot id is a destination rank and a local group: ``experts_per_rank = S``):
+
+* :func:`slot_ids` maps each pick (token, logical expert) to a slot with
+  ``moe_jax.replication.choose_replica`` on the device: the replica on the
+  sender's own rank when there is one, else one chosen by a fixed hash of
+  the token's index in the expert-parallel group;
+* :func:`tie_copies` is the identity on the slot weights whose VJP gives
+  every copy of an expert the sum of all its copies' gradients, so copies
+  updated by any optimizer from identical states stay identical.
+
+Every pick meets weights equal to its logical expert's, so with the
+row-invariant matmul the layer's output is bitwise that of ``dense`` over
+the logical weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import manual_axes
+from moe_jax.experts import ExpertWeights
+from moe_jax.plan import kept_picks
+from moe_jax.replication import Placement, PlacementArrays, choose_replica
+
+__all__ = ["check_placement", "dense_slot_ids", "logical_weights", "slot_ids", "slot_weights",
+           "tie_copies"]
+
+
+def check_placement(placement: PlacementArrays, num_experts: int, num_ranks: int | None,
+                    num_slots: int, where: str) -> None:
+    """Trace-time shape checks of a ``placement`` argument (ValueError naming it)."""
+    if not isinstance(placement, PlacementArrays):
+        raise ValueError(f"{where}: argument 'placement' must be a PlacementArrays "
+                         f"(Placement.device_arrays()), got {type(placement).__name__}")
+    P, S = placement.slot_expert.shape
+    E = num_experts
+    shapes = {"slot_expert": (P, S), "local_slot": (P, E), "replica_slots": (E, P),
+              "num_replicas": (E,)}
+    for name, shape in shapes.items():
+        arr = getattr(placement, name)
+        if tuple(arr.shape) != shape or not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{where}: argument 'placement.{name}' must be integer "
+                             f"{list(shape)} for E={E} experts on P={P} ranks x S={S} slots, "
+                             f"got {arr.dtype}{list(arr.shape)}")
+    if num_ranks is not None and P != num_ranks:
+        raise ValueError(f"{where}: argument 'placement' is for {P} ranks, the expert axis "
+                         f"has {num_ranks}")
+    if P * S != num_slots:
+        raise ValueError(f"{where}: argument 'params.experts' must hold one expert per slot "
+                         f"of the placement ({P} ranks x {S} slots = {P * S}), got {num_slots}")
+    if S * P < E:
+        raise ValueError(f"{where}: argument 'placement' has {P * S} slots for {E} experts")
+
+
+def slot_ids(expert_ids: jax.Array, placement: PlacementArrays, rank: jax.Array,
+             token_offset: jax.Array) -> jax.Array:
+    """[T, k] int32 global slot of each pick, -1 for a dropped pick.
+
+    Args:
+      expert_ids: [T, k] integer logical expert ids of this rank's tokens.
+      placement: the placement's arrays (replicated on every rank).
+      rank: int32 scalar, this rank's index on the expert axis.
+      token_offset: int32 scalar added to the local token index to form the
+        id that the replica hash reads (e.g. rank * T: the token's index in
+        the group).
+    Picks that ``moe_jax.plan.kept_picks`` drops (id outside [0, E) or
+    repeating an earlier pick of the token) map to -1, so the plan drops
+    them as it would without replication. Jit-safe; no gradient.
+    """
+    ids = expert_ids.astype(jnp.int32)
+    num_experts = placement.num_experts
+    kept = kept_picks(ids, num_experts)
+    safe = jnp.where(kept, ids, 0)
+    token = (token_offset + jnp.arange(ids.shape[0], dtype=jnp.int32))[:, None]
+    slots = choose_replica(token, safe, rank, placement.local_slot, placement.replica_slots,
+                           placement.num_replicas)
+    return jnp.where(kept, slots, -1).astype(jnp.int32)
+
+
+def dense_slot_ids(expert_ids: jax.Array, placement: PlacementArrays) -> jax.Array:
+    """[T, k] int32: every pick to its expert's first replica (one rank holding
+    all slots, as strategy "dense" runs); -1 for a dropped pick."""
+    ids = expert_ids.astype(jnp.int32)
+    kept = kept_picks(ids, placement.num_experts)
+    first = placement.replica_slots[jnp.where(kept, ids, 0), 0]
+    return jnp.where(kept, first, -1).astype(jnp.int32)
+
+
+def _tie_bwd(g, local_experts, slot_expert, num_experts, psum):
+    """Each local slot's gradient becomes the sum over every copy of its
+    expert (all ranks), float32 accumulation, same bits on every copy."""
+    num_slots = slot_expert.size
+    extra = num_slots - num_experts    # experts on >= 2 slots: at most this many
+    if extra <= 0:
+        return g
+    flat = slot_expert.reshape(-1)
+    copies = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    multi = copies > 1
+    index = jnp.where(multi, jnp.cumsum(multi.astype(jnp.int32)) - 1, extra)   # [E]
+    mine = index[local_experts]                                               # [S_local]
+    buf = jnp.zeros((extra,) + g.shape[1:], jnp.float32)
+    buf = buf.at[mine].add(g.astype(jnp.float32), mode="drop")
+    buf = psum(buf)
+    tied = buf[jnp.minimum(mine, extra - 1)].astype(g.dtype)
+    keep = (mine < extra).reshape((-1,) + (1,) * (g.ndim - 1))
+    return jnp.where(keep, tied, g)
+
+
+def _opaque_zero(x: jax.Array) -> jax.Array:
+    """An int32 0 computed from x's first element, which XLA cannot fold."""
+    first = x.reshape(-1)[:1]
+    if first.size == 0:
+        return jnp.zeros((), jnp.int32)
+    width = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize]
+    value = jax.lax.bitcast_convert_type(first, width)[0].astype(jnp.int32)
+    return jnp.minimum(jnp.bitwise_and(value, 0x7FFF), 0)
+
+
+def _after(tree, zero: jax.Array):
+    """`tree` unchanged bit for bit, but computed after `zero` is known."""
+    return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), tree)
+
+
+def tie_copies(weights: ExpertWeights, tokens: jax.Array, placement: PlacementArrays,
+               local_experts: jax.Array, psum: Callable | None = None
+               ) -> tuple[ExpertWeights, jax.Array]:
+    """The identity on (slot weights, tokens); its VJP sums the gradients of
+    all copies of an expert and gives every copy that sum.
+
+    Args:
+      weights: this rank's slot weights ``[S_local, ...]`` (all ``P * S``
+        slots when one rank holds them, as with "dense").
+      tokens: ``[T, H]`` the layer's input on this rank (untouched; its
+        gradient orders the all-reduce, below).
+      placement: the placement's arrays.
+      local_experts: ``[S_local]`` int32 logical expert of each local slot.
+      psum: sums over the expert axis (inside ``shard_map``); None when
+        ``weights`` holds every slot.
+    Only experts on two or more slots are summed across ranks: one
+    ``[P * S - E, ...]`` float32 all-reduce per weight in the backward. It
+    runs after the tokens' gradient is complete (every collective of the
+    layer's backward) and the tokens' gradient leaves after it, so the
+    backward's collectives keep one order on every rank. Differentiable
+    (that is its point); graph-capturable.
+    """
+    reduce = psum if psum is not None else (lambda t: t)
+    num_experts = placement.num_experts
+
+    @jax.custom_vjp
+    def tie(w, x, local_experts, slot_expert):
+        return w, x
+
+    def fwd(w, x, local_experts, slot_expert):
+        return (w, x), (local_experts, slot_expert)
+
+    def bwd(res, cotangents):
+        local_experts, slot_expert = res
+        g_w, g_x = cotangents
+        if psum is not None:
+            g_w = _after(g_w, _opaque_zero(g_x))
+        g_w = jax.tree.map(
+            lambda g: _tie_bwd(g, local_experts, slot_expert, num_experts, reduce), g_w)
+        if psum is not None:
+            g_x = _after(g_x, _opaque_zero(jax.tree.leaves(g_w)[0]))
+        float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+        return g_w, g_x, float0(local_experts), float0(slot_expert)
+
+    tie.defvjp(fwd, bwd)
+    # Weights typed as varying like the tokens (data axes too): the cast's
+    # transpose, the sum over data-parallel groups, stays outside the tie.
+    axes = manual_axes.varying_axes(tokens, *jax.tree.leaves(weights))
+    weights = jax.tree.map(lambda w: manual_axes.as_varying(w, axes), weights)
+    tokens = manual_axes.as_varying(tokens, axes)
+    return tie(weights, tokens, local_experts.astype(jnp.int32),
+               placement.slot_expert.astype(jnp.int32))
+
+
+def slot_weights(logical: ExpertWeights, placement: Placement | PlacementArrays
+                 ) -> ExpertWeights:
+    """``[P * S, ...]`` slot weights from ``[E, ...]`` logical ones (slot ``g``
+    holds its expert's weights). Jit-safe; unsharded unless jitted with
+    ``out_shardings``."""
+    se = placement.slot_expert
+    index = jnp.asarray(np.asarray(se) if isinstance(placement, Placement) else se).reshape(-1)
+    return jax.tree.map(lambda w: jnp.take(w, index, axis=0), logical)
+
+
+def logical_weights(slots: ExpertWeights, placement: Placement | PlacementArrays
+                    ) -> ExpertWeights:
+    """``[E, ...]`` logical weights read from each expert's first replica."""
+    reps = placement.replica_slots if isinstance(placement, PlacementArrays) \
+        else placement.as_arrays()["replica_slots"]
+    index = jnp.asarray(reps)[:, 0]
+    return jax.tree.map(lambda w: jnp.take(w, index, axis=0), slots)

@@ -18,8 +18,8 @@ experts, combine) with matmul="auto" (the CUTLASS kernels) and "xla", and a
 padded batched einsum at the realized largest expert load, against the bf16
 FLOP floor. Part 3: one training step (forward + backward) of the layer.
 
-Times are medians over --reps runs of --iters back-to-back calls of the
-jitted function (CUDA events for PyTorch). Writes
+Times are medians over --reps runs of --iters back-to-back calls, timed on
+the host up to the end of the last call (JAX and PyTorch alike). Writes
 OUT_DIR/<tag>.json and .md with the device, versions, date, command, commit
 and the digests of the sources and the built extensions.
 """
@@ -82,18 +82,18 @@ def _time_jax(fn, *args) -> float:
 
 
 def _time_torch(fn) -> float:
+    """Median seconds per call of fn, timed like _time_jax: on the host around
+    `iters` back-to-back calls and a synchronize."""
     import torch
     fn()
     torch.cuda.synchronize()
     runs = []
     for _ in range(FLAGS.reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = time.perf_counter()
         for _ in range(FLAGS.iters):
             fn()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) / 1e3 / FLAGS.iters)
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - start) / FLAGS.iters)
     return statistics.median(runs)
 
 
@@ -384,7 +384,8 @@ def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
              f"- versions: {meta['versions']}; sources {meta['source_digest']}; "
              f"extensions {meta['extension_digest']}",
              f"- shape: hidden {meta['hidden']}, ffn {meta['ffn']}, {meta['experts']} experts, "
-             f"bf16; median of {meta['reps']} runs of {meta['iters']} calls",
+             f"bf16; median of {meta['reps']} runs of {meta['iters']} back-to-back calls, "
+             "host-timed to the end of the last (JAX and PyTorch alike)",
              f"- measured floors: dense bf16 matmul {floors['dense_tflops']:.0f} TFLOP/s, "
              f"device copy {floors['copy_gbps']:.0f} GB/s (read + write)", "",
              "## SwiGLU expert FFN (gate/up, silu * up, down), microseconds (TFLOP/s)", "",

@@ -90,11 +90,13 @@ struct PlainSpec {
 };
 
 // out = silu(gate) * up per group from A @ B with B's columns in gate/up
-// blocks (SwiGLUEpilogueArray), stored from registers.
-template <class ElementIn, class Config = TileConfig>
+// blocks (SwiGLUEpilogueArray), stored from registers (16-byte stores after
+// a transpose across each quad of threads, or kQuadStores false: 4-byte
+// stores).
+template <class ElementIn, class Config = TileConfig, bool kQuadStores = true>
 struct SwiGLUSpec {
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      SwiGLUEpilogueArray<ElementIn>>;
+      SwiGLUEpilogueArray<ElementIn, kQuadStores>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
       ProblemShape,
       Mainloop<ElementIn, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, 0>,

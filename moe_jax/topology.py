@@ -174,7 +174,10 @@ def fast_topology(spec: str | None, mesh, expert_axis: str):
         return topology
     if platform == "cpu":
         return Topology(1, num_ranks, "default", "CPU devices")
-    local = {d.id for d in jax.local_devices(backend=platform)}
+    try:
+        local = {d.id for d in jax.local_devices(backend=platform)}
+    except RuntimeError:  # no such backend in this process
+        local = set()
     if any(d.id not in local for d in devices):
         raise ValueError("MoEConfig.fast_topology: cannot be detected for GPUs of other "
                          "processes; give it as 'NxM' (servers x GPUs per server)")

@@ -11,6 +11,7 @@ end (marked multi_gpu) run the same checks on 2 and 4 GPUs.
 """
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +242,20 @@ def test_topology_that_does_not_match_the_expert_axis(topology):
     params = init_moe_params(jax.random.key(0), config)
     with pytest.raises(ValueError, match="MoEConfig.fast_topology.*'ep' has 8 ranks"):
         moe_layer(params, jnp.ones((16, HIDDEN)), config, mesh_of(8))
+
+
+def _fake_mesh(platform, processes):
+    devices = np.array([SimpleNamespace(platform=platform, id=100 + i, process_index=i % processes,
+                                        local_hardware_id=i) for i in range(4)])
+    return SimpleNamespace(axis_names=("ep",), devices=devices, shape={"ep": 4})
+
+
+def test_topology_resolution_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="MoEConfig.transport: 'fast' runs on CPU"):
+        moe_topology.fast_topology("2x2", _fake_mesh("cpu", 2), "ep")
+    with pytest.raises(ValueError, match="MoEConfig.fast_topology: cannot be detected"):
+        moe_topology.fast_topology(None, _fake_mesh("gpu", 2), "ep")
+    assert moe_topology.fast_topology("2x2", _fake_mesh("gpu", 2), "ep") == Topology(2, 2)
 
 
 @pytest.mark.parametrize("strategy, topology, argument", [

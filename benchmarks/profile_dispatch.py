@@ -12,10 +12,7 @@ for the NVLink transport, its dispatch and combine kernels' time per step
 
 from __future__ import annotations
 
-import collections
 import glob
-import gzip
-import json
 import os
 import shutil
 import tempfile
@@ -28,24 +25,11 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import dispatch_bench as bench
+from benchmarks.trace_summary import device_time_by_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("profile_steps", 20, "Traced steps.")
 flags.DEFINE_integer("top", 12, "Kernels listed per configuration.")
-
-
-def _device_time(trace_path: str, steps: int):
-    with gzip.open(trace_path) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events)
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu0 = {pid for pid, n in names.items() if "GPU:0" in n or "gpu:0" in n.lower()}
-    per_kernel = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu0:
-            per_kernel[e["name"][:90]] += e.get("dur", 0) / steps
-    return per_kernel
 
 
 def main(argv):
@@ -91,7 +75,7 @@ def main(argv):
                 continue
             name = f"trace_{method.replace(':', '_')}_{tokens}.json.gz"
             shutil.copy(traces[0], os.path.join(FLAGS.out, name))
-            kernels = _device_time(traces[0], FLAGS.profile_steps)
+            kernels = device_time_by_kernel(traces[0], FLAGS.profile_steps)
             total = sum(kernels.values())
             lines.append(f"T={tokens} {method}: GPU0 busy {total:.1f} us/step, wall {wall:.1f} "
                          f"us/step (traced), {len(kernels)} kernel names")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from benchmarks.profile_dispatch import _device_time
+from benchmarks.trace_summary import device_time_by_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["4096"], "Tokens per call.")
@@ -70,7 +70,7 @@ def main(argv):
             lines.append(f"T={tokens}: no trace written")
             continue
         shutil.copy(traces[0], os.path.join(FLAGS.out, f"trace_layer_{tokens}.json.gz"))
-        kernels = _device_time(traces[0], FLAGS.profile_steps)
+        kernels = device_time_by_kernel(traces[0], FLAGS.profile_steps)
         lines.append(f"T={tokens}: GPU0 busy {sum(kernels.values()):.1f} us/call, wall "
                      f"{wall:.1f} us/call (traced, synchronous), {len(kernels)} kernel names")
         lines += [f"    {v:8.1f} us  {k}" for k, v in kernels.most_common(FLAGS.top)]

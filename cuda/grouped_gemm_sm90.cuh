@@ -90,13 +90,11 @@ struct PlainSpec {
 };
 
 // out = silu(gate) * up per group from A @ B with B's columns in gate/up
-// blocks (SwiGLUEpilogueArray), stored from registers (16-byte stores after
-// a transpose across each quad of threads, or kQuadStores false: 4-byte
-// stores).
-template <class ElementIn, class Config = TileConfig, bool kQuadStores = true>
+// blocks (SwiGLUEpilogueArray), stored from registers.
+template <class ElementIn, class Config = TileConfig>
 struct SwiGLUSpec {
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      SwiGLUEpilogueArray<ElementIn, kQuadStores>>;
+      SwiGLUEpilogueArray<ElementIn>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
       ProblemShape,
       Mainloop<ElementIn, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, 0>,

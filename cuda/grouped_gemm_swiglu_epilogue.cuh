@@ -9,12 +9,6 @@
 // thread holds pairs of adjacent columns repeated every 8 columns, so the
 // gate block of 8 columns and the up block that follows it sit in the same
 // thread: value v of the fragment and value v + 4 (see SwiGLUFragment).
-//
-// Stores: the four threads of a quad hold one row's 8 outputs of a gate
-// block (2 each). With kQuadStores, a 4 x 4 transpose across the quad
-// (warp shuffles) gives each thread the whole 16-byte chunk of one of four
-// consecutive blocks, so a warp's store writes 64 contiguous bytes in each
-// of 8 rows; without it every thread stores its 4-byte pairs.
 #ifndef MOE_JAX_CUDA_GROUPED_GEMM_SWIGLU_EPILOGUE_CUH_
 #define MOE_JAX_CUDA_GROUPED_GEMM_SWIGLU_EPILOGUE_CUH_
 
@@ -41,7 +35,7 @@ static_assert(kSwiGLUBlock == 8, "the fragment walk assumes 8-column gate/up blo
 
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
 
-template <class ElementD_, bool kQuadStores = true>
+template <class ElementD_>
 class SwiGLUEpilogueArray {
  public:
   using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
@@ -120,82 +114,26 @@ class SwiGLUEpilogueArray {
     const int row0 = m_coord * size<0>(BlockShapeMNK{});
     const int col0 = n_coord * kTileN;
     cutlass::NumericArrayConverter<ElementD, float, 2> to_out;
-    // Outputs of gate values v, v + 1 (adjacent columns of one row) packed
-    // as one 32-bit word.
-    auto pair = [&](int v, int mm, int nn) {
-      cutlass::Array<float, 2> h;
-      const int up = v + SwiGLUFragment::kUpOffset;
-      h[0] = Silu(accumulators(v, mm, nn)) * accumulators(up, mm, nn);
-      h[1] = Silu(accumulators(v + 1, mm, nn)) * accumulators(up + 1, mm, nn);
-      auto packed = to_out(h);
-      return *reinterpret_cast<uint32_t*>(&packed);
-    };
-    if constexpr (kQuadStores) {
-      // v = column + 2 * row half + 4 * block; gate blocks are the even ones.
-      constexpr int kGateBlocks = kValues / (2 * SwiGLUFragment::kValuesPerBlock);
-      static_assert(kGateBlocks % 4 == 0, "quad stores take gate blocks four at a time");
-      const int lane = static_cast<int>(threadIdx.x) & 3;
-      auto select = [](const uint32_t (&w)[4], int i) {
-        return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
-      };
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < size<1>(accumulators); ++mm) {
       CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < size<1>(accumulators); ++mm) {
+      for (int nn = 0; nn < size<2>(accumulators); ++nn) {
         CUTLASS_PRAGMA_UNROLL
-        for (int nn = 0; nn < size<2>(accumulators); ++nn) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int half = 0; half < 2; ++half) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int q = 0; q < kGateBlocks / 4; ++q) {
-              // mine[i]: this thread's pair in gate block 4q + i.
-              uint32_t mine[4];
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < 4; ++i) {
-                mine[i] = pair(2 * SwiGLUFragment::kValuesPerBlock * (4 * q + i) + 2 * half,
-                               mm, nn);
-              }
-              // got[s]: the pair of quad lane (lane ^ s) in gate block 4q + lane.
-              uint32_t got[4];
-              got[0] = select(mine, lane);
-              CUTLASS_PRAGMA_UNROLL
-              for (int s = 1; s < 4; ++s) {
-                got[s] = __shfl_xor_sync(0xffffffffu, select(mine, lane ^ s), s);
-              }
-              uint4 chunk;
-              chunk.x = select(got, lane);
-              chunk.y = select(got, lane ^ 1);
-              chunk.z = select(got, lane ^ 2);
-              chunk.w = select(got, lane ^ 3);
-              const auto coord = thr_coords(2 * SwiGLUFragment::kValuesPerBlock * 4 * q + 2 * half,
-                                            mm, nn);
-              const int row = row0 + get<0>(coord);
-              // Gate block 4q + lane starts at tile column 16 (4q + lane).
-              const int col = col0 + (get<1>(coord) / (2 * kSwiGLUBlock) + lane) *
-                                         (2 * kSwiGLUBlock);
-              if (row >= rows || col >= cols) continue;
-              const int out_col = (col / (2 * kSwiGLUBlock)) * kSwiGLUBlock;
-              *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * params_.out_cols +
-                                        out_col) = chunk;
-            }
-          }
-        }
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < size<1>(accumulators); ++mm) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int nn = 0; nn < size<2>(accumulators); ++nn) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int v = 0; v < kValues; v += 2) {
-            // Gate values only: blocks 0, 2, 4, ... of 4 values each.
-            if ((v / SwiGLUFragment::kValuesPerBlock) % 2 != 0) continue;
-            const auto coord = thr_coords(v, mm, nn);
-            const int row = row0 + get<0>(coord);
-            const int col = col0 + get<1>(coord);  // even: a pair of adjacent gate columns
-            if (row >= rows || col >= cols) continue;
-            const int out_col = (col / (2 * kSwiGLUBlock)) * kSwiGLUBlock + col % kSwiGLUBlock;
-            *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(row) * params_.out_cols +
-                                         out_col) = pair(v, mm, nn);
-          }
+        for (int v = 0; v < kValues; v += 2) {
+          // Gate values only: blocks 0, 2, 4, ... of 4 values each.
+          if ((v / SwiGLUFragment::kValuesPerBlock) % 2 != 0) continue;
+          const auto coord = thr_coords(v, mm, nn);
+          const int row = row0 + get<0>(coord);
+          const int col = col0 + get<1>(coord);  // even: a pair of adjacent gate columns
+          if (row >= rows || col >= cols) continue;
+          const int up = v + SwiGLUFragment::kUpOffset;
+          cutlass::Array<float, 2> h;
+          h[0] = Silu(accumulators(v, mm, nn)) * accumulators(up, mm, nn);
+          h[1] = Silu(accumulators(v + 1, mm, nn)) * accumulators(up + 1, mm, nn);
+          const int out_col = (col / (2 * kSwiGLUBlock)) * kSwiGLUBlock + col % kSwiGLUBlock;
+          auto packed = to_out(h);
+          *reinterpret_cast<cutlass::Array<ElementD, 2>*>(
+              out + static_cast<int64_t>(row) * params_.out_cols + out_col) = packed;
         }
       }
     }

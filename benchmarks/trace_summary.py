@@ -1,0 +1,28 @@
+"""Device time per kernel from a JAX profiler trace (perfetto JSON)."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+
+
+def device_time_by_kernel(trace_path: str, steps: int) -> collections.Counter:
+    """Microseconds per step by kernel name (first 90 characters) on GPU 0.
+
+    Args:
+      trace_path: a `*.trace.json.gz` written by `jax.profiler.trace(...,
+        create_perfetto_trace=True)`.
+      steps: the number of steps traced (the totals are divided by it).
+    """
+    with gzip.open(trace_path) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu0 = {pid for pid, n in names.items() if "GPU:0" in n or "gpu:0" in n.lower()}
+    per_kernel = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu0:
+            per_kernel[e["name"][:90]] += e.get("dur", 0) / steps
+    return per_kernel

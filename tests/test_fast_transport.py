@@ -120,6 +120,23 @@ def test_one_server_and_one_gpu_per_server(topology):
     _check_against_dense_and_lax(topology, "zipf", 7, 2)
 
 
+def test_invalid_picks_are_dropped_as_on_lax():
+    """Negative, too large and repeated expert ids move nowhere on every
+    transport: fast gives the lax transport's output and gradient bits."""
+    x, ids, w, ct, weights = _case(5, 8, 3, "random")
+    ids = np.array(ids)
+    ids[::3, 1] = -1
+    ids[1::5, 2] = EXPERTS + 2
+    ids[2::7, 2] = ids[2::7, 0]
+    ids = jnp.asarray(ids)
+    out, _, _, grads = _run("fast", "4x2", 8, x, ids, w, ct, weights)
+    want_out, _, _, want_grads = _run("lax", "4x2", 8, x, ids, w, ct, weights)
+    _same_bits(out, want_out, "output")
+    for name, g, want in zip(("x", "weights", "w_gate_up", "w_down"), grads, want_grads):
+        _same_bits(g, want, f"gradient of {name}")
+    assert np.all(grads[1][::3, 1] == 0)
+
+
 # -- the layer ----------------------------------------------------------------
 
 def _layer_grads(config, mesh, params, x, ct):
@@ -175,8 +192,9 @@ def test_layer_under_data_parallelism():
         _same_bits(g, w, "layer gradient")
 
 
-def test_default_topology_on_cpu_is_one_server():
-    config = CONFIG.replace(fast_topology=None)
+@pytest.mark.parametrize("kernel_impl", ["custom_call", "reference"])
+def test_default_topology_on_cpu_is_one_server(kernel_impl):
+    config = CONFIG.replace(fast_topology=None, kernel_impl=kernel_impl)
     params = init_moe_params(jax.random.key(6), config)
     x = jax.random.normal(jax.random.key(7), (32, HIDDEN))
     y, _ = jax.jit(lambda p, x: moe_layer(p, x, config, mesh_of(4)))(params, x)

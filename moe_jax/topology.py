@@ -156,7 +156,8 @@ def fast_topology(spec: str | None, mesh, expert_axis: str):
     the axis' size in GPUs. None: on CPU one server of P devices; on GPUs
     read from `nvidia-smi topo -m` for the first group's GPUs (NVLink
     islands are servers; moe_jax.fast.topology), which must be GPUs of this
-    process (otherwise give it). Raises ValueError naming the argument.
+    process (otherwise give it); logged (a warning where detection gave no
+    usable grouping). Raises ValueError naming the argument.
     """
     axis = list(mesh.axis_names).index(expert_axis)
     group = np.moveaxis(np.asarray(mesh.devices), axis, 0).reshape(mesh.shape[expert_axis], -1)
@@ -181,5 +182,12 @@ def fast_topology(spec: str | None, mesh, expert_axis: str):
     if any(d.id not in local for d in devices):
         raise ValueError("MoEConfig.fast_topology: cannot be detected for GPUs of other "
                          "processes; give it as 'NxM' (servers x GPUs per server)")
-    return detect_topology(num_ranks,
-                           gpu_indices=[int(d.local_hardware_id) for d in devices])
+    topology = detect_topology(num_ranks,
+                               gpu_indices=[int(d.local_hardware_id) for d in devices])
+    if topology.source == "default":
+        logger.warning("moe_jax: transport='fast' schedules over one server of %d GPUs: %s "
+                       "(give MoEConfig.fast_topology)", num_ranks, topology.detail)
+    else:
+        logger.info("moe_jax: transport='fast' schedules over %s GPUs (%s)", topology,
+                    topology.source)
+    return topology

@@ -11,6 +11,7 @@ end (marked multi_gpu) run the same checks on 2 and 4 GPUs.
 """
 
 import functools
+import logging
 from types import SimpleNamespace
 
 import jax
@@ -274,6 +275,26 @@ def test_topology_resolution_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="MoEConfig.fast_topology: cannot be detected"):
         moe_topology.fast_topology(None, _fake_mesh("gpu", 2), "ep")
     assert moe_topology.fast_topology("2x2", _fake_mesh("gpu", 2), "ep") == Topology(2, 2)
+
+
+@pytest.mark.parametrize("found, level", [(Topology(2, 2, "nvlink_islands"), "INFO"),
+                                          (Topology(1, 4, "default", "no GPU matrix"),
+                                           "WARNING")])
+def test_topology_detected_for_the_first_groups_gpus(monkeypatch, caplog, found, level):
+    mesh = _fake_mesh("gpu", 1)
+    mesh.devices = mesh.devices[::-1]       # rank r is the GPU of ordinal 3 - r
+    seen = {}
+
+    def detect(num_gpus, gpu_indices):
+        seen.update(num_gpus=num_gpus, gpu_indices=gpu_indices)
+        return found
+
+    monkeypatch.setattr(moe_topology.jax, "local_devices", lambda backend: mesh.devices)
+    monkeypatch.setattr(moe_topology, "detect_topology", detect)
+    with caplog.at_level(logging.INFO, logger="moe_jax"):
+        assert moe_topology.fast_topology(None, mesh, "ep") == found
+    assert seen == dict(num_gpus=4, gpu_indices=[3, 2, 1, 0])
+    assert [r.levelname for r in caplog.records] == [level]
 
 
 @pytest.mark.parametrize("strategy, topology, argument", [

@@ -23,6 +23,12 @@ their 99th percentile), the fraction of traces within 1.15x, and the
 cap-and-spill capacity C = moe_jax.calibrate(counts, quantile=0.99).capacity
 of the per-(source rank, destination rank) counts (self pairs included).
 
+With --layer_check=N, the first N counted traces of every row are also
+dispatched by the layer's own code on P CPU devices (``slot_ids`` and
+``dispatch_combine`` under ``shard_map``, the placement a jitted input) and
+the rows each rank's slots receive must equal the simulation's (the run
+stops otherwise); the tables say how many traces were checked.
+
 Trace sets:
 
 * ``mixtral``: ``generate_traces`` with the calibrated Mixtral-8x7B preset
@@ -39,11 +45,14 @@ Trace sets:
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
 import sys
 import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,6 +81,8 @@ flags.DEFINE_integer("warmup_steps", 100, "Steps left out of the statistics.")
 flags.DEFINE_integer("oracle_every", 10, "Oracle rows evaluate every n-th step (0: none).")
 flags.DEFINE_float("target", 1.15, "Busiest-over-mean target reported against.")
 flags.DEFINE_integer("seed", 0, "Trace seed.")
+flags.DEFINE_integer("layer_check", 8, "Traces per row also dispatched by the layer's code "
+                     "on CPU devices, whose per-rank rows must equal the simulation's (0: none).")
 
 NUM_EXPERTS = 8
 TOP_K = 2
@@ -130,6 +141,52 @@ def simulate(trace: RoutingTrace, placement: Placement) -> tuple[np.ndarray, np.
     return pair.sum(axis=0), pair
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_rows_fn(num_ranks: int, slots: int, tokens: int):
+    """Jitted: (ids [P * tokens, k], token offsets [P], PlacementArrays) ->
+    rows each slot received [P * S], by the layer's dispatch on P CPU devices."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as PS  # noqa: PLC0415
+
+    from moe_jax.dispatch import DispatchContext, dispatch_combine  # noqa: PLC0415
+    from moe_jax.mesh import expert_mesh  # noqa: PLC0415
+    from moe_jax.replicated import slot_ids  # noqa: PLC0415
+    from moe_jax.replication import PlacementArrays  # noqa: PLC0415
+
+    mesh = expert_mesh(num_ranks, devices=jax.devices("cpu"))
+    ctx = DispatchContext("ep", num_ranks, "lax", "custom_call", "cpu",
+                          tuple(mesh.devices.flat))
+
+    def body(ids, offset, placement):
+        slot = slot_ids(ids, placement, ctx.rank(), offset[0])
+        x = jnp.ones((ids.shape[0], 8), jnp.float32)
+        w = jnp.ones(ids.shape, jnp.float32)
+        res = dispatch_combine(x, slot, w, lambda rows, sizes: rows, strategy="ragged",
+                               ctx=ctx, experts_per_rank=slots, return_delivered=True)
+        return res.delivered.group_sizes
+
+    return jax.jit(jax.shard_map(body, mesh=mesh,
+                                 in_specs=(PS("ep"), PS("ep"), PlacementArrays(*(PS(),) * 4)),
+                                 out_specs=PS("ep")))
+
+
+def layer_rows(trace: RoutingTrace, placement: Placement, tokens: int) -> np.ndarray | None:
+    """Rows per rank [P] by the layer's dispatch (None when the trace's
+    tokens are not contiguous ids per rank, as the layer numbers them)."""
+    P, S = placement.num_ranks, placement.slots_per_rank
+    n = trace.num_tokens // P
+    idx = trace.token_idx.reshape(P, n)
+    if not (idx == idx[:, :1] + np.arange(n)).all() or idx.max() >= 2 ** 31:
+        return None
+    ids = np.full((P, tokens, trace.top_k), -1, np.int32)
+    ids[:, :n] = trace.experts.reshape(P, n, -1)
+    sizes = _layer_rows_fn(P, S, tokens)(ids.reshape(P * tokens, -1),
+                                        idx[:, 0].astype(np.int32),
+                                        placement.device_arrays())
+    return np.asarray(sizes).reshape(P, S).sum(axis=1)
+
+
 def expert_counts(trace: RoutingTrace) -> np.ndarray:
     return np.bincount(trace.experts.reshape(-1), minlength=trace.num_experts)
 
@@ -158,11 +215,12 @@ def run_set(traces: list[RoutingTrace], num_ranks: int) -> list[dict]:
         for d in FLAGS.extra_slots:
             configs.append((f"oracle S={per_rank}+{d}", per_rank + int(d), "oracle"))
     rows = []
+    tokens = max(tr.num_tokens // P for tr in traces)
     for name, S, mode in configs:
         t0 = time.perf_counter()
         placements = [Placement.default(E, P, S) for _ in range(L)]
         trackers = [LoadTracker(E, FLAGS.alpha) for _ in range(L)]
-        ratios, pairs, rebalances = [], [], 0
+        ratios, pairs, rebalances, checked = [], [], 0, 0
         for tr in traces:
             s, layer = tr.step, tr.layer
             counted = s >= FLAGS.warmup_steps
@@ -174,6 +232,14 @@ def run_set(traces: list[RoutingTrace], num_ranks: int) -> list[dict]:
                 placement = placements[layer]
             if counted:
                 received, pair = simulate(tr, placement)
+                if checked < FLAGS.layer_check:
+                    by_layer = layer_rows(tr, placement, tokens)
+                    if by_layer is not None:
+                        if not np.array_equal(by_layer, received):
+                            raise SystemExit(f"layer dispatch {by_layer.tolist()} != simulation "
+                                             f"{received.tolist()} ({name}, step {s}, layer "
+                                             f"{layer})")
+                        checked += 1
                 ratios.append(float(received.max() / (received.sum() / P)))
                 pairs.append(pair)
             if mode == "ema":
@@ -182,7 +248,7 @@ def run_set(traces: list[RoutingTrace], num_ranks: int) -> list[dict]:
                     placements[layer] = propose(trackers[layer], P, S, FLAGS.num_replicated)
                     rebalances += 1
         row = dict(placement=name, slots_per_rank=S, mode=mode or "none",
-                   rebalances=rebalances, **summarize(ratios, pairs),
+                   rebalances=rebalances, layer_checked=checked, **summarize(ratios, pairs),
                    seconds=round(time.perf_counter() - t0, 2))
         if mode == "ema":
             row["final_placements"] = [p.slot_expert.tolist() for p in placements]
@@ -211,19 +277,23 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "(`calibrate(counts, quantile=0.99).capacity`; the rows a rank keeps for "
              "its own replica are self pairs)",
              f"- target: busiest within {meta['target']}x of the mean on the calibrated "
-             "Mixtral traces", ""]
+             "Mixtral traces",
+             "- layer-checked: traces of the row also dispatched by the layer's code "
+             "(`slot_ids` + `dispatch_combine`, ragged, on P CPU devices, the placement a "
+             "jitted input), each with per-rank rows equal to the simulation's", ""]
     for res in results:
         lines += [f"## {res['set']}, EP {res['num_ranks']}", "", res["description"], "",
                   "| placement | S | busiest/mean (mean) | busiest/mean (p99) | "
                   f"traces within {meta['target']}x | C (q = 0.99) | C, self pairs left out | "
-                  "max count |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "max count | layer-checked |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in res["rows"]:
             lines.append(f"| {r['placement']} | {r['slots_per_rank']} | "
                          f"{r['busiest_over_mean_mean']:.3f} | "
                          f"{r['busiest_over_mean_p99']:.3f} | "
                          f"{100 * r['frac_within_target']:.1f}% | {r['capacity_q99']} | "
-                         f"{r['capacity_q99_peers']} | {r['count_max']} |")
+                         f"{r['capacity_q99_peers']} | {r['count_max']} | "
+                         f"{r.get('layer_checked', 0)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -240,7 +310,8 @@ def main(argv):
                 alpha=FLAGS.alpha, num_replicated=FLAGS.num_replicated,
                 rebalance_every=FLAGS.rebalance_every, oracle_every=FLAGS.oracle_every,
                 fixed_tokens=FLAGS.fixed_tokens, exp_skews=[float(s) for s in FLAGS.exp_skews],
-                target=FLAGS.target, seed=FLAGS.seed, **code_meta())
+                target=FLAGS.target, seed=FLAGS.seed, layer_check=FLAGS.layer_check,
+                **code_meta())
     results = []
     for p in FLAGS.ranks:
         P = int(p)

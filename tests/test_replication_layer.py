@@ -366,3 +366,62 @@ def test_placement_argument_errors_name_it():
     bad = pl.device_arrays()._replace(num_replicas=jnp.zeros((E + 1,), jnp.int32))
     with pytest.raises(ValueError, match="placement.num_replicas"):
         moe_layer(slot_params, x, config, mesh, placement=bad)
+
+
+# --------------------------------------------------------------------------
+# Flax modules
+# --------------------------------------------------------------------------
+
+
+def test_linen_module_with_placement_gives_dense_bits():
+    from moe_jax.nn import linen as moe_linen
+    ranks = 4
+    params, x = skewed_case(41, 16 * ranks)
+    pl = propose(np.array([40.0, 30, 10, 5, 5, 4, 3, 3]), ranks, 3, 3)
+    config = CONFIG.replace(strategy="ragged", transport="custom_call")
+    layer = moe_linen.MoE(config, mesh_of(ranks))
+    variables = jax.jit(layer.init)(jax.random.key(0), x, pl.device_arrays())
+    p = variables["params"]
+    assert p["w_gate_up"].value.shape == (ranks * 3, H, 2 * F)
+    _copies_identical({k: p[k].value for k in ("w_gate_up", "w_down")}, pl)
+    y, state = jax.jit(lambda v, x, a: layer.apply(v, x, a, mutable=["moe_load"]))(
+        variables, x, pl.device_arrays())
+    dense = moe_linen.MoE(CONFIG.replace(strategy="dense"))
+    logical = logical_weights(mj.ExpertWeights(p["w_gate_up"].value, p["w_down"].value), pl)
+    want = dense.apply({"params": {"router": p["router"], "w_gate_up": logical.w_gate_up,
+                                   "w_down": logical.w_down}}, x)
+    np.testing.assert_array_equal(bits(np.asarray(y)), bits(np.asarray(want)))
+    assert int(state["moe_load"]["expert_rows"].sum()) == x.shape[0] * K
+
+
+def test_nnx_module_with_placement_follows_a_rebalance():
+    from flax import nnx
+    from moe_jax.nn import nnx as moe_nnx
+    ranks = 4
+    params, x = skewed_case(43, 16 * ranks)
+    mesh = mesh_of(ranks)
+    config = CONFIG.replace(strategy="cap_and_spill", transport="lax")
+    layer = moe_nnx.MoE(config, mesh=mesh, rngs=nnx.Rngs(0),
+                        placement=Placement.default(E, ranks, 3))
+    layer.router[...] = params.router
+    reb = Rebalancer(E, ranks, 3, placement=Placement.default(E, ranks, 3))
+    dense = moe_nnx.MoE(CONFIG.replace(strategy="dense"), rngs=nnx.Rngs(1))
+    dense.router[...] = params.router
+
+    @nnx.jit
+    def call(module, x):
+        return module(x)
+
+    changes = []
+    for _ in range(2):
+        y = call(layer, x)
+        logical = logical_weights(mj.ExpertWeights(layer.w_gate_up[...], layer.w_down[...]),
+                                  reb.placement)
+        dense.w_gate_up[...], dense.w_down[...] = logical.w_gate_up, logical.w_down
+        np.testing.assert_array_equal(bits(np.asarray(y)), bits(np.asarray(dense(x))))
+        reb.observe(layer.expert_rows[...])
+        moved, changed = reb.rebalance((layer.w_gate_up[...], layer.w_down[...]), mesh)
+        layer.w_gate_up[...], layer.w_down[...] = moved
+        layer.set_placement(reb.placement)
+        changes.append(changed)
+    assert changes[0] and (reb.placement.num_replicas() > 1).any()

@@ -24,3 +24,17 @@ def gate_up_init(key, shape, dtype=jnp.float32):
     k_gate, k_up = jax.random.split(key)
     half = (experts, hidden, two_f // 2)
     return fuse_gate_up(expert_init(k_gate, half, dtype), expert_init(k_up, half, dtype))
+
+
+def on_slots(init, placement):
+    """`init` of [E, ...] expert weights made an init of [P * S, ...] slot
+    weights: the E experts drawn as without a placement, then copied to
+    every slot that holds them (`placement`: PlacementArrays; None: `init`)."""
+    if placement is None:
+        return init
+
+    def slot_init(key, shape, dtype=jnp.float32):
+        logical = init(key, (placement.num_experts,) + tuple(shape[1:]), dtype)
+        return jnp.take(logical, placement.slot_expert.reshape(-1), axis=0)
+
+    return slot_init

@@ -10,7 +10,9 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import DispatchStats
 from moe_jax.experts import ExpertWeights
 from moe_jax.layer import MoEParams, moe_layer
-from moe_jax.nn.init import expert_axis_or_none, expert_init, gate_up_init, router_init
+from moe_jax.nn.init import (expert_axis_or_none, expert_init, gate_up_init, on_slots,
+                             router_init)
+from moe_jax.replication import Placement, PlacementArrays
 
 
 class MoEStats(nnx.Variable):
@@ -21,6 +23,11 @@ class MoEAuxLoss(nnx.Variable):
     """The weighted auxiliary loss of the last call."""
 
 
+class MoEPlacement(nnx.Variable):
+    """The placement's arrays (PlacementArrays; not trained): state, so a
+    new placement of the same shapes does not recompile."""
+
+
 class MoE(nnx.Module):
     """Router + dispatch strategy + stacked SwiGLU experts (nnx).
 
@@ -28,14 +35,20 @@ class MoE(nnx.Module):
       config: MoEConfig (validated when built).
       mesh: mesh holding config.expert_axis (not needed for "dense").
       rngs: nnx.Rngs for parameter initialization.
+      placement: hot-expert replication (moe_jax.replication.Placement):
+        the expert weights are then [P * S, ...], one per slot, each expert's
+        copies initialized alike, and `placement` (a MoEPlacement variable)
+        holds its arrays; after a rebalance, assign the moved weights and
+        `set_placement` the new one. None: [E, ...] weights.
 
     Call: x [..., H] -> [..., H] in config.dtype. After a call, `aux_loss`
-    holds the weighted auxiliary loss, `stats` the accumulated DispatchStats
-    and `calls` the number of calls.
+    holds the weighted auxiliary loss, `stats` the accumulated DispatchStats,
+    `calls` the number of calls and `expert_rows` the last call's rows per
+    logical expert (what a Rebalancer observes).
     """
 
     def __init__(self, config: MoEConfig, *, mesh: jax.sharding.Mesh | None = None,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, placement: Placement | None = None):
         self.config = config
         self.mesh = mesh
         hidden, ffn, experts = config.hidden_size, config.ffn_size, config.num_experts
@@ -45,10 +58,14 @@ class MoE(nnx.Module):
         self.router_bias = (nnx.Param(jnp.zeros((experts,), dtype))
                             if config.router == "sigmoid_grouped" else None)
         sharding = {} if mesh is None else dict(out_sharding=(axis, None, None), mesh=mesh)
-        sharded = lambda shape: nnx.Param(expert_init(rngs.params(), shape, dtype), **sharding)
-        self.w_gate_up = nnx.Param(gate_up_init(rngs.params(), (experts, hidden, 2 * ffn), dtype),
-                                   **sharding)
-        self.w_down = sharded((experts, ffn, hidden))
+        arrays = None if placement is None else placement.device_arrays()
+        slots = experts if arrays is None else arrays.num_slots
+        sharded = lambda init, shape: nnx.Param(  # noqa: E731
+            on_slots(init, arrays)(rngs.params(), shape, dtype), **sharding)
+        self.w_gate_up = sharded(gate_up_init, (slots, hidden, 2 * ffn))
+        self.w_down = sharded(expert_init, (slots, ffn, hidden))
+        self.placement = None if arrays is None else MoEPlacement(arrays)
+        self.expert_rows = MoEStats(jnp.zeros((experts,), jnp.int32))
         self.stats = MoEStats(DispatchStats.zeros())
         self.calls = MoEStats(jnp.zeros((), jnp.int32))
         self.aux_loss = MoEAuxLoss(jnp.zeros((), jnp.float32))
@@ -58,9 +75,18 @@ class MoE(nnx.Module):
         return MoEParams(self.router[...], bias,
                          ExpertWeights(self.w_gate_up[...], self.w_down[...]))
 
+    def set_placement(self, placement: Placement) -> None:
+        """Routes by `placement` from the next call (move the weights to it
+        first: moe_jax.rebalance.move_slots)."""
+        if self.placement is None:
+            raise ValueError("placement: this module was built without one")
+        self.placement.set_value(placement.device_arrays())
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        y, aux = moe_layer(self.params(), x, self.config, self.mesh)
+        placement = None if self.placement is None else self.placement.get_value()
+        y, aux = moe_layer(self.params(), x, self.config, self.mesh, placement=placement)
         self.aux_loss[...] = aux.weighted_loss(self.config)
+        self.expert_rows[...] = aux.expert_rows
         self.stats.set_value(self.stats.get_value() + aux.stats)
         self.calls[...] = self.calls[...] + 1
         return y

@@ -344,24 +344,28 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
 # ------------------------------------------------------------------------------------------
 # asynchronous engine
 
-_DELIVER, _DONE, _WAKE = 0, 1, 2
+_DELIVER, _DONE, _WAKE, _START = 0, 1, 2, 3
 
 
 class _Queue:
-    __slots__ = ("chunks", "n")
+    """FIFO of (enqueue time, rids) chunks; `ng[g]`: queued rows of wave group g."""
 
-    def __init__(self):
+    __slots__ = ("chunks", "n", "ng")
+
+    def __init__(self, groups: int):
         self.chunks = collections.deque()   # [enqueue time, rids array]
         self.n = 0
+        self.ng = np.zeros(groups, np.int64)
 
-    def push(self, t, rids):
+    def push(self, t, rids, group_of):
         self.chunks.append([t, rids])
         self.n += len(rids)
+        self.ng += np.bincount(group_of[rids], minlength=len(self.ng))
 
     def oldest(self):
         return self.chunks[0][0]
 
-    def pop(self, m):
+    def pop(self, m, group_of):
         out, need = [], m
         while need and self.chunks:
             t, arr = self.chunks[0]
@@ -375,18 +379,36 @@ class _Queue:
                 need = 0
         rids = out[0] if len(out) == 1 else np.concatenate(out)
         self.n -= len(rids)
+        self.ng -= np.bincount(group_of[rids], minlength=len(self.ng))
         return rids
 
 
 def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
               wave_admission: bool = False, name: str | None = None,
-              max_batch: int | None = None) -> SimResult:
+              max_batch: int | None = None, wave_groups: int = 1,
+              stagger_s: float = 0.0) -> SimResult:
     """Asynchronous EP on `setup`'s layout with one `scheduler` policy object
-    (stateless) on every device. wave_admission: a new request's first token
-    waits for the next sampler output of its rank and joins that wave (at
-    once when the rank has no token in flight)."""
+    (stateless) on every device.
+
+    wave_admission: a new request's first token waits for the next sampler
+      output of its wave and joins that wave (at once when the wave has no
+      token in flight).
+    wave_groups: G; the KV slots of every rank are split into G wave groups
+      (a new request takes the group of its rank with the most free slots),
+      and a timed scheduler's view of what is still upstream of a queue
+      (`incoming`) counts only the groups queued there, so each group moves
+      as its own wave. G = 1: one wave per rank, every rank's tokens of a
+      block awaited together.
+    stagger_s: group g's first tokens start no earlier than g * stagger_s
+      (seconds), so that the groups' waves begin apart in the pipeline.
+    """
     trace, costs = setup.trace, setup.costs
     B, E, K = trace.num_blocks, trace.num_experts, trace.top_k
+    G = int(wave_groups)
+    if G < 1:
+        raise ValueError(f"wave_groups must be >= 1, got {wave_groups!r}")
+    if not stagger_s >= 0:
+        raise ValueError(f"stagger_s must be >= 0, got {stagger_s!r}")
     pl = setup.placement()
     D, ranks = pl.num_devices, len(pl.rank_devices)
     env = {kind: costs.of(kind) for kind in tk.KINDS}
@@ -402,25 +424,33 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
     samp = [lid_of[tk.sampler_layer(B, r)] for r in range(ranks)]
     nxt_layer = [[att[b + 1][r] if b + 1 < B else samp[r] for r in range(ranks)]
                  for b in range(B)]
-    queues = [_Queue() for _ in layers]
+    queues = [_Queue(G) for _ in layers]
     state = SchedulerState(B)
     timed = hasattr(scheduler, "pick_timed")
     cost_fn = lambda kind, n: env[kind](n)  # noqa: E731
 
     R = len(arrivals)
+    W = ranks * G                      # waves: w = r * G + g
     admission = _Admission(ranks, setup.slots_per_rank)
+    wave_free = np.zeros(W, np.int64)
+    for r in range(ranks):
+        for g in range(G):
+            wave_free[r * G + g] = setup.slots_per_rank // G + (g < setup.slots_per_rank % G)
     rank_of = np.full(R, -1)
+    wave_of = np.zeros(R, np.int64)
+    group_of = np.zeros(R, np.int64)
     pos = np.zeros(R, np.int64)
     parts_left = np.zeros(R, np.int64)
     admit_time = np.full(R, np.nan)
     order = np.argsort(arrivals, kind="stable")
     waiting: collections.deque = collections.deque()
-    buffered = [[] for _ in range(ranks)]
-    in_flight = [0] * ranks            # tokens of the rank in the pipeline (not buffered)
-    att_phase = np.zeros((B, ranks))   # tokens queued/running at attention b of rank r
-    exp_phase = np.zeros((B, ranks))   # tokens with expert parts of block b outstanding
-    samp_phase = np.zeros(ranks)
-    inflight_exp = np.zeros(len(layers))
+    buffered = [[] for _ in range(W)]
+    in_flight = [0] * W                # tokens of the wave in the pipeline (not buffered)
+    start_pending = [False] * W
+    att_phase = np.zeros((B, ranks, G))   # tokens queued/running at attention b of rank r
+    exp_phase = np.zeros((B, ranks, G))   # tokens with expert parts of block b outstanding
+    samp_phase = np.zeros((ranks, G))
+    inflight_exp = np.zeros((len(layers), G))
     route_counts = np.zeros((B, E), np.int64)
     busy_until = [0.0] * D
     busy_log = [[] for _ in range(D)]
@@ -437,44 +467,53 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
         seq += 1
 
     def enqueue(lid, t, rids):
-        queues[lid].push(t, rids)
+        queues[lid].push(t, rids, group_of)
 
     def start_tokens(r, rids, now):
         """First/next tokens of rank r enter attention of block 0."""
         if len(rids):
             enqueue(att[0][r], now, rids)
-            att_phase[0, r] += len(rids)
+            np.add.at(att_phase[0, r], group_of[rids], 1)
 
     def admit(now):
         started = set()
-        idle = [n == 0 for n in in_flight]
         while waiting:
             r = admission.rank()
             if r is None:
                 return started
             rid = waiting.popleft()
-            rank_of[rid] = r
+            g = int(np.argmax(wave_free[r * G:(r + 1) * G]))
+            w = r * G + g
+            wave_free[w] -= 1
+            rank_of[rid], wave_of[rid], group_of[rid] = r, w, g
             admit_time[rid] = now
-            if wave_admission and not idle[r]:
-                buffered[r].append(rid)
+            early = now < g * stagger_s
+            if (wave_admission and in_flight[w]) or early:
+                buffered[w].append(rid)
+                if early and not in_flight[w] and not start_pending[w]:
+                    start_pending[w] = True
+                    push(g * stagger_s, _START, pl.rank_devices[r], w, None)
             else:
-                in_flight[r] += 1
+                in_flight[w] += 1
                 start_tokens(r, np.array([rid]), now)
                 started.add(pl.rank_devices[r])
         return started
 
     def incoming(lid):
+        """Rows of the groups queued at `lid` still upstream of it."""
         layer = layers[lid]
+        present = queues[lid].ng > 0
         if layer.kind == tk.EXPERT:
             seen = route_counts[layer.block]
             tot = seen.sum()
             share = seen[layer.index] / tot if tot else 1.0 / E
-            return inflight_exp[lid] + att_phase[layer.block].sum() * K * share
+            up = inflight_exp[lid] + att_phase[layer.block].sum(axis=0) * K * share
+            return float(up[present].sum())
         if layer.kind == tk.SAMPLER:
-            return exp_phase[B - 1, layer.index]
+            return float(exp_phase[B - 1, layer.index][present].sum())
         if layer.block == 0:
-            return samp_phase[layer.index]
-        return exp_phase[layer.block - 1, layer.index]
+            return float(samp_phase[layer.index][present].sum())
+        return float(exp_phase[layer.block - 1, layer.index][present].sum())
 
     def try_run(d, now):
         nonlocal executions, rows_total
@@ -493,7 +532,7 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
                 push(wake, _WAKE, d, -1, None)
             return
         lid = lid_of[layer]
-        rids = queues[lid].pop(max_batch)
+        rids = queues[lid].pop(max_batch, group_of)
         spent = env[layer.kind](len(rids))
         busy_until[d] = now + spent
         busy_log[d].append((now, spent))
@@ -506,8 +545,9 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
         b = layer.block
         if layer.kind == tk.ATTENTION:
             r = layer.index
-            att_phase[b, r] -= len(rids)
-            exp_phase[b, r] += len(rids)
+            grp_n = np.bincount(group_of[rids], minlength=G)
+            att_phase[b, r] -= grp_n
+            exp_phase[b, r] += grp_n
             parts_left[rids] = K
             picks = routes[offsets[rids] + pos[rids], b].reshape(-1).astype(np.int64)
             owners = np.repeat(rids, K)
@@ -518,7 +558,7 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
             for grp_e, grp in zip(np.split(picks, bounds), np.split(owners, bounds)):
                 tgt = exp[b][int(grp_e[0])]
                 dest = dev_of[tgt]
-                inflight_exp[tgt] += len(grp)
+                inflight_exp[tgt] += np.bincount(group_of[grp], minlength=G)
                 push(now + (0.0 if dest == d else lat), _DELIVER, dest, tgt, grp)
         elif layer.kind == tk.EXPERT:
             rk = rank_of[rids]
@@ -529,30 +569,42 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
                 push(now + (0.0 if dest == d else lat), _DELIVER, dest, tgt, grp)
         else:
             r = layer.index
-            samp_phase[r] -= len(rids)
+            samp_phase[r] -= np.bincount(group_of[rids], minlength=G)
             tok_rid.append(rids)
             tok_time.append(np.full(len(rids), now))
             pos[rids] += 1
             cont = rids[pos[rids] < lengths[rids]]
-            finished = len(rids) - len(cont)
-            in_flight[r] -= finished
-            admission.free[r] += finished
-            new, started = [], set()
-            if finished:
-                started = admit(now)
-            if buffered[r]:
-                new, buffered[r] = buffered[r], []
-                in_flight[r] += len(new)
+            ended = rids[pos[rids] >= lengths[rids]]
+            for w in wave_of[ended]:
+                in_flight[w] -= 1
+                wave_free[w] += 1
+            admission.free[r] += len(ended)
+            started = admit(now) if len(ended) else set()
+            new = []
+            for g in np.unique(group_of[rids]):
+                w = r * G + int(g)
+                if buffered[w] and now >= g * stagger_s:
+                    new += buffered[w]
+                    in_flight[w] += len(buffered[w])
+                    buffered[w] = []
             start_tokens(r, np.concatenate([cont, np.asarray(new, np.int64)])
                          if new else cont, now)
             for dd in started:
                 if dd != d:
                     try_run(dd, now)
 
+    def start_wave(w, now):
+        """A staggered group's time has come: its buffered tokens start."""
+        start_pending[w] = False
+        if buffered[w] and not in_flight[w]:
+            new, buffered[w] = buffered[w], []
+            in_flight[w] += len(new)
+            start_tokens(w // G, np.asarray(new, np.int64), now)
+
     def deliver(d, lid, rids, now):
         layer = layers[lid]
         if layer.kind == tk.EXPERT:
-            inflight_exp[lid] -= len(rids)
+            inflight_exp[lid] -= np.bincount(group_of[rids], minlength=G)
             enqueue(lid, now, rids)
             return
         parts_left[rids] -= 1
@@ -560,11 +612,12 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
         if len(ready):
             r = layer.index
             prev = B - 1 if layer.kind == tk.SAMPLER else layer.block - 1
-            exp_phase[prev, r] -= len(ready)
+            grp_n = np.bincount(group_of[ready], minlength=G)
+            exp_phase[prev, r] -= grp_n
             if layer.kind == tk.SAMPLER:
-                samp_phase[r] += len(ready)
+                samp_phase[r] += grp_n
             else:
-                att_phase[layer.block, r] += len(ready)
+                att_phase[layer.block, r] += grp_n
             enqueue(lid, now, ready)
 
     nxt = 0
@@ -592,6 +645,9 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
             try_run(d, now)
         elif kind == _DONE:
             done(d, lid, rids, now)
+            try_run(d, now)
+        elif kind == _START:
+            start_wave(lid, now)
             try_run(d, now)
         else:
             if wake_at[d] == now:

@@ -171,12 +171,14 @@ class HoldScheduler(DefragScheduler):
         entries: (layer, queued n, enqueue time of the oldest, incoming rows);
         cost(kind, n) -> seconds. escalated is the layer to run at once, or None.
         """
-        late = [e for e in entries if now - e[2] >= self.escalate_s]
+        late = [e for e in entries if now >= e[2] + self.escalate_s]
         if late:
             return [], [], min(late, key=lambda e: (e[2], e[0].order(), e[0].index))[0]
         runnable, deadlines = [], []
         for layer, n, oldest, incoming in entries:
-            if incoming > 0 and now - oldest < self.hold_s:
+            # compared with the deadline itself (not now - oldest), so that a
+            # wake-up at the deadline always releases the queue
+            if incoming > 0 and now < oldest + self.hold_s:
                 more = int(math.ceil(incoming))
                 split = cost(layer.kind, n) + cost(layer.kind, more)
                 if split > (1.0 + self.slack) * cost(layer.kind, n + more):

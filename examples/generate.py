@@ -6,6 +6,7 @@
         [--calibrate_from=routing.jsonl] [--checkpoint_dir=CKPT_DIR]
         [--benchmark_steps=20 [--benchmark_methods=dense,ragged,cap_and_spill:custom_call]
          [--benchmark_out=bench.json]] [--tokens_out=tokens.json]
+        [--replicate_hot_experts=3 [--spare_slots=1]]
 
 Builds the decoder (random weights, or restored from --checkpoint_dir; a
 directory without a checkpoint gets one written), generates --tokens tokens
@@ -24,6 +25,15 @@ router and the experts multiply with moe_jax.row_invariant (--matmul), whose
 rows do not change bits with the number of rows in a call. With
 --matmul=xla (XLA's dots; on GPU their rounding depends on the row count)
 tokens can differ where two logits nearly tie.
+
+With --replicate_hot_experts=N the run is repeated with hot-expert
+replication: each layer's per-expert load (an EMA, moe_jax.replication
+.LoadTracker, over the routing of the first run) chooses a placement of up to
+N replicated experts on --spare_slots extra slots per rank (moe_jax
+.replication.propose), the expert weights are copied onto the slots, and the
+replicated run must generate the same tokens; it prints each layer's
+placement and the busiest rank's expected rows over the mean's before and
+after.
 
 With --benchmark_steps=N it instead times the compiled generation of every
 method in --benchmark_methods (compilation and --benchmark_warmup runs
@@ -70,7 +80,9 @@ from moe_jax.models.benchmark import format_table, time_generation  # noqa: E402
 from moe_jax.models.distributed import initialize  # noqa: E402
 from moe_jax.models.generate import (check_multiprocess, generate, pad_prompts,  # noqa: E402
                                      prepare_generation)
+from moe_jax.models.decoder import replicate_params  # noqa: E402
 from moe_jax.models.sharding import spans_processes  # noqa: E402
+from moe_jax.replication import expected_rank_loads  # noqa: E402
 from moe_jax.models.progress import Progress  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -115,6 +127,11 @@ flags.DEFINE_list("benchmark_methods", ["dense", "max_counts", "cap_and_spill", 
                   "--transport).")
 flags.DEFINE_string("benchmark_out", None, "Write the benchmark results to this JSON file.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
+flags.DEFINE_integer("replicate_hot_experts", 0, "If > 0: also generate with up to this many "
+                     "hot experts per layer replicated (placement from the first run's "
+                     "routing) and check the tokens are the same.")
+flags.DEFINE_integer("spare_slots", 1, "Extra expert slots per rank for "
+                     "--replicate_hot_experts (S = experts / ep + spare_slots).")
 define_model_flags()
 flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0: run as one process of a "
                     "jax.distributed run (with --num_processes and --process_id).")
@@ -151,21 +168,24 @@ def show_progress(units: int, long: int) -> bool:
     return FLAGS.progress == "on" or (sys.stderr.isatty() and units >= long)
 
 
-def make_model(cfg, mesh, params):
+def make_model(cfg, mesh, params, placements=None):
     """(model, params argument of generate) for the chosen Flax variant."""
     if FLAGS.variant == "nnx":
-        return nnx_load_params(MixtralNnx(cfg, mesh=mesh, rngs=nnx.Rngs(0)), params), None
+        model = MixtralNnx(cfg, mesh=mesh, rngs=nnx.Rngs(0), placements=placements)
+        return nnx_load_params(model, params), None
     return MixtralLinen(cfg, mesh), params
 
 
-def run(cfg, mesh, params, prompts, record=False, label="generate"):
-    """Generates with the chosen Flax variant; returns (result, seconds)."""
-    model, args = make_model(cfg, mesh, params)
+def run(cfg, mesh, params, prompts, record=False, label="generate", placements=None):
+    """Generates with the chosen Flax variant; returns (result, seconds).
+    placements: one per layer (params then hold slot weights)."""
+    model, args = make_model(cfg, mesh, params, placements)
     steps = FLAGS.tokens - 1
     progress = Progress(steps, label) if show_progress(steps, 64) else None
     start = time.perf_counter()
     result = generate(model, args, *prompts, max_new_tokens=FLAGS.tokens, mesh=mesh,
-                      record_traces=record, on_step=progress)
+                      record_traces=record, on_step=progress,
+                      placements=placements if FLAGS.variant == "linen" else None)
     seconds = time.perf_counter() - start
     if progress is not None:
         progress.close()
@@ -468,6 +488,8 @@ def main(argv):
                       kernel_impl=moe.kernel_impl, capacity=moe.capacity,
                       spill_capacity=moe.spill_capacity, stats=stats_dict(s),
                       tokens=result.tokens.tolist()))
+    if FLAGS.replicate_hot_experts > 0:
+        replicated_run(cfg, mesh, params, prompts, ep, result)
     if FLAGS.record_traces:
         if jax.process_index() == 0:
             mj.save_jsonl(result.traces, FLAGS.record_traces)
@@ -475,6 +497,36 @@ def main(argv):
         say(f"wrote {len(result.traces)} routing traces to {FLAGS.record_traces} "
             f"(they calibrate to C={calib.capacity} S={calib.spill_capacity} at "
             f"q={FLAGS.quantile})")
+
+
+def replicated_run(cfg, mesh, params, prompts, ep: int, result) -> None:
+    """--replicate_hot_experts: placements from `result`'s routing (recorded
+    again if it has none), the same generation on slot weights, same tokens."""
+    if FLAGS.spare_slots < 1:
+        raise app.UsageError(f"--spare_slots={FLAGS.spare_slots} must be >= 1")
+    traces = result.traces
+    if traces is None:
+        traces = run(cfg, mesh, params, prompts, record=True, label="record routing")[0].traces
+    experts = cfg.moe.num_experts
+    slots = experts // ep + FLAGS.spare_slots
+    trackers = [mj.LoadTracker(experts) for _ in range(cfg.num_layers)]
+    for trace in sorted(traces, key=lambda t: (t.step, t.layer)):
+        trackers[trace.layer].update_from_trace(trace)
+    placements = [mj.propose(t, ep, slots, FLAGS.replicate_hot_experts) for t in trackers]
+    say(f"hot-expert replication: S={slots} slots per rank, up to "
+        f"{FLAGS.replicate_hot_experts} replicated experts per layer")
+    for i, (tracker, placement) in enumerate(zip(trackers, placements)):
+        before = expected_rank_loads(mj.Placement.default(experts, ep, slots), tracker)
+        after = expected_rank_loads(placement, tracker)
+        say(f"  layer {i}: slots {placement.slot_expert.tolist()}; busiest/mean expected "
+            f"rows {before.max() / before.mean():.2f} -> {after.max() / after.mean():.2f}")
+    replicated, seconds = run(cfg, mesh, replicate_params(params, placements), prompts,
+                              label="generate (replicated)", placements=placements)
+    same = np.array_equal(replicated.tokens, result.tokens)
+    say(f"replicated run: {seconds:.2f} s with compilation; tokens "
+        f"{'identical to' if same else 'DIFFER from'} the unreplicated run's")
+    if not same:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -145,3 +145,13 @@ def test_data_parallel_runs_generate_the_dense_tokens(tmp_path):
         (calib.capacity, calib.spill_capacity)
     assert bench["setup"]["data_parallel"] == 2
     assert bench["tokens"] == json.loads(one_axis.read_text())["tokens"]
+
+
+@pytest.mark.parametrize("variant, strategy", [("linen", "ragged"), ("nnx", "cap_and_spill")])
+def test_replicate_hot_experts_generates_the_same_tokens(variant, strategy):
+    """--replicate_hot_experts: placements from the first run's routing,
+    slot weights, the same tokens (the example exits 1 otherwise)."""
+    out = run_example(f"--strategy={strategy}", "--ep=2", f"--variant={variant}",
+                      "--replicate_hot_experts=2", devices=2)
+    assert "hot-expert replication: S=3 slots per rank" in out
+    assert "tokens identical to the unreplicated run's" in out

@@ -47,6 +47,8 @@ from moe_jax.nn import linen as moe_linen
 from moe_jax.nn import nnx as moe_nnx
 from moe_jax.nn.init import expert_init, router_init
 from moe_jax.ops.grouped_matmul import fuse_gate_up
+from moe_jax.replicated import slot_weights
+from moe_jax.replication import Placement
 from moe_jax.routing import route, router_logits
 
 __all__ = [
@@ -349,11 +351,14 @@ def _stack_routing(records):
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache,
             index: jax.Array, kv_valid: jax.Array, cfg: DecoderConfig,
-            mesh: jax.sharding.Mesh | None = None, *, record: bool = False) -> ModelOutput:
+            mesh: jax.sharding.Mesh | None = None, *, record: bool = False,
+            placements=None) -> ModelOutput:
     """The reference decoder as a pure function (moe_jax.moe_layer for the MoE).
 
     tokens, positions [B, S] int; cache: KVCache; index: cache slot of the
-    first token; kv_valid [B, max_len] bool; mesh: for expert parallelism.
+    first token; kv_valid [B, max_len] bool; mesh: for expert parallelism;
+    placements: one PlacementArrays per layer (hot-expert replication; the
+    params then hold slot weights, see :func:`replicate_params`) or None.
     """
     moe_cfg = cfg.moe
     x = jnp.take(params["embed"], tokens, axis=0).astype(jnp.float32)
@@ -367,7 +372,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         m = p["moe"]
         moe_params = MoEParams(m["router"], m.get("router_bias"),
                                ExpertWeights(m["w_gate_up"], m["w_down"]))
-        y, aux = moe_layer(moe_params, h.astype(cfg.dtype), moe_cfg, mesh)
+        y, aux = moe_layer(moe_params, h.astype(cfg.dtype), moe_cfg, mesh,
+                           placement=None if placements is None else placements[i])
         if record:
             records.append(_routing_record(h, m["router"], m.get("router_bias"), moe_cfg))
         x = x + y.astype(jnp.float32)
@@ -388,7 +394,8 @@ class _LinenBlock(nn.Module):
     mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, positions, cache_k, cache_v, index, kv_valid, record=False):
+    def __call__(self, x, positions, cache_k, cache_v, index, kv_valid, record=False,
+                 placement=None):
         cfg = self.cfg
         p = {name: self.param(name, init, shape, cfg.param_dtype)
              for name, (init, shape) in _attn_inits(cfg).items()}
@@ -397,7 +404,7 @@ class _LinenBlock(nn.Module):
         x = x + a.astype(jnp.float32)
         h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
         moe = moe_linen.MoE(cfg.moe, self.mesh, name="moe")
-        y = moe(h.astype(cfg.dtype))
+        y = moe(h.astype(cfg.dtype), placement)
         rec = None
         if record:
             mp = moe.variables["params"]
@@ -409,9 +416,11 @@ class _LinenBlock(nn.Module):
 class MixtralLinen(nn.Module):
     """The decoder as a linen module; its params are the canonical layout.
 
-    Call: (tokens, positions, cache, index, kv_valid, record=False) ->
-    ModelOutput. Dispatch statistics are summed from the MoE layers'
-    "moe_stats" collection when it is mutable (else zeros).
+    Call: (tokens, positions, cache, index, kv_valid, record=False,
+    placements=None) -> ModelOutput. Dispatch statistics are summed from the
+    MoE layers' "moe_stats" collection when it is mutable (else zeros).
+    placements: one PlacementArrays per layer (hot-expert replication; the
+    params then hold slot weights, see :func:`replicate_params`).
     """
 
     cfg: DecoderConfig
@@ -419,7 +428,7 @@ class MixtralLinen(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, index, kv_valid,
-                 record: bool = False) -> ModelOutput:
+                 record: bool = False, placements=None) -> ModelOutput:
         cfg = self.cfg
         embed = self.param("embed", _embed_init, (cfg.vocab_size, cfg.d_model),
                            cfg.param_dtype)
@@ -427,7 +436,8 @@ class MixtralLinen(nn.Module):
         new_k, new_v, records = [], [], []
         for i in range(cfg.num_layers):
             x, ck, cv, rec = _LinenBlock(cfg, self.mesh, name=f"layers_{i}")(
-                x, positions, cache.k[i], cache.v[i], index, kv_valid, record)
+                x, positions, cache.k[i], cache.v[i], index, kv_valid, record,
+                None if placements is None else placements[i])
             new_k.append(ck)
             new_v.append(cv)
             if rec is not None:
@@ -458,11 +468,11 @@ def linen_stats(mutated: dict, cfg: DecoderConfig) -> DispatchStats:
 # --------------------------------------------------------------------------
 
 class _NnxBlock(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, mesh, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, mesh, rngs: nnx.Rngs, placement=None):
         self.cfg = cfg
         for name, (init, shape) in _attn_inits(cfg).items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, cfg.param_dtype)))
-        self.moe = moe_nnx.MoE(cfg.moe, mesh=mesh, rngs=rngs)
+        self.moe = moe_nnx.MoE(cfg.moe, mesh=mesh, rngs=rngs, placement=placement)
 
     def __call__(self, x, positions, cache_k, cache_v, index, kv_valid, record=False):
         cfg = self.cfg
@@ -489,15 +499,22 @@ class MixtralNnx(nnx.Module):
     Call: (tokens, positions, cache, index, kv_valid, record=False) ->
     ModelOutput (stats: this call's DispatchStats summed over the layers;
     max_peer_rows is the running maximum kept by the MoE modules).
+    placements: one moe_jax.replication.Placement per layer (hot-expert
+    replication: each MoE module holds slot weights and its placement).
     """
 
     def __init__(self, cfg: DecoderConfig, *, mesh: jax.sharding.Mesh | None = None,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, placements: list[Placement] | None = None):
         self.cfg = cfg
         self.mesh = mesh
         self.embed = nnx.Param(_embed_init(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                            cfg.param_dtype))
-        self.layers = nnx.List([_NnxBlock(cfg, mesh, rngs) for _ in range(cfg.num_layers)])
+        if placements is not None and len(placements) != cfg.num_layers:
+            raise ValueError(f"placements: one per layer ({cfg.num_layers}), got "
+                             f"{len(placements)}")
+        self.layers = nnx.List([_NnxBlock(cfg, mesh, rngs,
+                                          None if placements is None else placements[i])
+                                for i in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), cfg.param_dtype))
         self.lm_head = nnx.data(None if cfg.tie_embeddings else nnx.Param(
             _normal(0)(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.param_dtype)))
@@ -538,6 +555,21 @@ def nnx_params(model: MixtralNnx) -> dict:
     out["final_norm"] = model.final_norm[...]
     if model.lm_head is not None:
         out["lm_head"] = model.lm_head[...]
+    return out
+
+
+def replicate_params(params: dict, placements: list[Placement]) -> dict:
+    """Canonical params with every layer's expert weights ([E, ...]) copied
+    onto the slots of its placement ([P * S, ...], moe_jax.replicated
+    .slot_weights); the rest shared."""
+    out = dict(params)
+    for i, placement in enumerate(placements):
+        layer = dict(out[f"layers_{i}"])
+        moe = dict(layer["moe"])
+        experts = slot_weights(ExpertWeights(moe["w_gate_up"], moe["w_down"]), placement)
+        moe["w_gate_up"], moe["w_down"] = experts.w_gate_up, experts.w_down
+        layer["moe"] = moe
+        out[f"layers_{i}"] = layer
     return out
 
 

@@ -69,12 +69,17 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None,
 class _LinenApply:
     """Hashable apply function of a linen model (so compilations are reused)."""
 
-    def __init__(self, model: MixtralLinen):
+    def __init__(self, model: MixtralLinen, replicated: bool = False):
         self.model = model
-        self.key = (model.cfg, model.mesh)
+        self.replicated = replicated
+        self.key = (model.cfg, model.mesh, replicated)
 
     def __call__(self, params, *args):
-        out, mutated = self.model.apply({"params": params}, *args, mutable=["moe_stats"])
+        placements = None
+        if self.replicated:   # params = {"params": ..., "placements": per layer}
+            params, placements = params["params"], params["placements"]
+        out, mutated = self.model.apply({"params": params}, *args, placements=placements,
+                                        mutable=["moe_stats"])
         return out._replace(stats=linen_stats(mutated, self.model.cfg))
 
     def __hash__(self):
@@ -229,7 +234,8 @@ def prepare_generation(model: MixtralLinen | MixtralNnx, params: Any, prompt_tok
                        prompt_mask=None, *, max_new_tokens: int,
                        mesh: jax.sharding.Mesh | None = None, record_traces: bool = False,
                        trace_ranks: int | None = None,
-                       on_step: Callable[[int], None] | None = None) -> PreparedGeneration:
+                       on_step: Callable[[int], None] | None = None,
+                       placements=None) -> PreparedGeneration:
     """Validates the arguments of :func:`generate`, places params and prompts
     on the mesh and returns the jitted program with its arguments (for
     timing it; :func:`collect` turns its outputs into a GenerateResult,
@@ -270,12 +276,21 @@ def prepare_generation(model: MixtralLinen | MixtralNnx, params: Any, prompt_tok
     check_multiprocess(cfg, mesh)
 
     if isinstance(model, MixtralLinen):
-        apply = _LinenApply(model)
+        apply = _LinenApply(model, placements is not None)
         params = nn.meta.unbox(params)
+        if placements is not None:
+            if len(placements) != cfg.num_layers:
+                raise ValueError(f"placements: one per layer ({cfg.num_layers}), got "
+                                 f"{len(placements)}")
+            params = {"params": params,
+                      "placements": tuple(p.device_arrays() for p in placements)}
     elif isinstance(model, MixtralNnx):
         apply = _NnxApply(nnx.graphdef(model))
         if params is not None:
             raise ValueError("params: pass None for an nnx model (its own state is used)")
+        if placements is not None:
+            raise ValueError("placements: an nnx model holds its own (MixtralNnx(..., "
+                             "placements=))")
         params = nnx.state(model)
     else:
         raise ValueError(f"model: expected MixtralLinen or MixtralNnx, got "
@@ -312,7 +327,7 @@ def execute(prepared: PreparedGeneration) -> GenerateResult:
 def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, prompt_mask=None,
              *, max_new_tokens: int, mesh: jax.sharding.Mesh | None = None,
              record_traces: bool = False, trace_ranks: int | None = None,
-             on_step: Callable[[int], None] | None = None) -> GenerateResult:
+             on_step: Callable[[int], None] | None = None, placements=None) -> GenerateResult:
     """Greedy decoding of `max_new_tokens` tokens for a left-padded prompt batch.
 
     Args:
@@ -335,11 +350,15 @@ def generate(model: MixtralLinen | MixtralNnx, params: Any, prompt_tokens, promp
         axis size, 1 without a mesh).
       on_step: called on the host with the decode step number (1 ..
         max_new_tokens - 1) as each step finishes (progress reporting).
+      placements: MixtralLinen only: one moe_jax.replication.Placement per
+        layer (hot-expert replication; params then hold slot weights, see
+        moe_jax.models.decoder.replicate_params). Jitted inputs: another
+        placement does not recompile.
     Returns:
       GenerateResult.
     """
     prepared = prepare_generation(model, params, prompt_tokens, prompt_mask,
                                   max_new_tokens=max_new_tokens, mesh=mesh,
                                   record_traces=record_traces, trace_ranks=trace_ranks,
-                                  on_step=on_step)
+                                  on_step=on_step, placements=placements)
     return execute(prepared)

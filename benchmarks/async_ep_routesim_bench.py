@@ -17,6 +17,14 @@ Workloads:
       paper's layout (A attention devices + 8 expert devices, A from the
       attention/expert cost ratio) against the baselines on A + 8 devices.
 
+Engines: sync (ideal barrier-synchronous), sync-repl (the same with the
+hottest expert of each block replicated), async-defrag (Algorithm 1),
+async-mtfs, async-flfs (the named baselines; only at points with at most
+--baseline_max_slots slots), async-hold (the cost-aware hold scheduler,
+wave-aligned admission) and async-hold-2w (the same with each rank's slots in
+two wave groups that never share an execution, the second started half a
+sync ITL later).
+
 Every engine of a group runs the same requests, routes and KV slots at each
 point of the sweep (closed loop at every --slots, and Poisson arrivals at
 --rate_fractions of the synchronous engine's closed-loop request rate at
@@ -68,19 +76,32 @@ def engines_for(group: str, args):
 
 def _engines_for(group: str, args):
     hold = dict(hold_s=args.hold_s, slack=args.slack)
+    two = {"wave_groups": 2, "separate_groups": True}
     if group == "colocated":
         return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
                 ("async-defrag", "defrag", {}), ("async-mtfs", "mtfs", {}),
-                ("async-flfs", "flfs", {}), ("async-hold", "hold", hold)]
+                ("async-flfs", "flfs", {}), ("async-hold", "hold", hold),
+                ("async-hold-2w", "hold", {**hold, **two})]
     return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
-            ("async-defrag-disagg", "defrag", {}), ("async-hold-disagg", "hold", hold)]
+            ("async-defrag-disagg", "defrag", {}), ("async-hold-disagg", "hold", hold),
+            ("async-hold-2w-disagg", "hold", {**hold, **two})]
 
 
-def run_engine(setup, kind, kw, arr, ln, routes, off):
+ENGINE_KEYS = ("wave_groups", "separate_groups")
+NAMED_BASELINES = ("defrag", "mtfs", "flfs")
+
+
+def run_engine(setup, kind, kw, arr, ln, routes, off, sync_itl_s=None):
+    """One engine on one point. Wave groups start staggered by the sync
+    engine's mean ITL at the same point over the number of groups."""
     if kind == "sync":
         return rs.run_sync(setup, arr, ln, routes, off, **kw)
-    sched = make_scheduler(kind, **kw)
-    return rs.run_async(setup, sched, arr, ln, routes, off, wave_admission=(kind == "hold"))
+    eng = {k: v for k, v in kw.items() if k in ENGINE_KEYS}
+    sched = make_scheduler(kind, **{k: v for k, v in kw.items() if k not in ENGINE_KEYS})
+    if eng.get("wave_groups", 1) > 1 and sync_itl_s:
+        eng["stagger_s"] = sync_itl_s / eng["wave_groups"]
+    return rs.run_async(setup, sched, arr, ln, routes, off, wave_admission=(kind == "hold"),
+                        **eng)
 
 
 def sweep_group(group, base, costs, trace, args, log):
@@ -100,17 +121,24 @@ def sweep_group(group, base, costs, trace, args, log):
         arr, ln = rs.Workload(n_req, tuple(args.new_tokens), rate, seed=args.seed).requests()
         routes, off = rs.make_routes(trace, ln, args.seed + 1)
         digest = rs.route_digest(routes, off, ln)
+        sync_itl_s = None
         for label, kind, kw in engines:
+            if kind in NAMED_BASELINES and slots > args.baseline_max_slots:
+                continue
             setup = rs.Setup(**{**base, "total_slots": slots})
             if kind == "sync":
                 setup = rs.Setup(**{**base, "total_slots": slots, "layout": "colocated",
                                     "num_ranks": base["num_devices"]})
             t = time.perf_counter()
-            res = run_engine(setup, kind, kw, arr, ln, routes, off)
+            res = run_engine(setup, kind, kw, arr, ln, routes, off, sync_itl_s)
             wall = time.perf_counter() - t
             if not res.finished or not (res.route_counts == digest).all():
                 raise RuntimeError(f"{label}: unfinished or other routes")
             st = rs.stats(res, slots)
+            if label == "sync":
+                sync_itl_s = st["itl_mean_ms"] * 1e-3
+            st["by_kind"] = {k: dict(executions=v[0], rows=v[1], busy_s=v[2])
+                             for k, v in res.by_kind.items()}
             st.update(engine=label, group=group, slots=slots, rate_fraction=frac,
                       rate_req_s=rate, num_requests=n_req, wall_s=wall,
                       layout=setup.layout if kind != "sync" else "colocated")
@@ -133,6 +161,15 @@ def frontier(rows, itl_tolerance=0.01):
     out = {"sync_peak_tokens_per_s": peak, "ref": {k: ref[k] for k in (
         "slots", "rate_fraction", "tokens_per_s", "itl_mean_ms", "itl_p99_ms", "util_max",
         "util_mean")}, "engines": []}
+    closed = sorted((r for r in sync if r["rate_fraction"] is None), key=lambda r: r["slots"])
+    if len(closed) >= 2:
+        a, b = closed[-2], closed[-1]
+        gain = b["tokens_per_s"] / a["tokens_per_s"] - 1.0
+        out["saturation"] = (f"Sync closed-loop throughput grows {gain:.0%} from {a['slots']} to "
+                             f"{b['slots']} slots (the largest swept) while its mean ITL grows "
+                             f"{b['itl_mean_ms'] / a['itl_mean_ms'] - 1.0:.0%}.")
+    else:
+        out["saturation"] = ""
     tol = 1.0 + itl_tolerance
     for name in dict.fromkeys(r["engine"] for r in rows):
         mine = [r for r in rows if r["engine"] == name]
@@ -164,8 +201,7 @@ def markdown(meta, groups):
              f"- workload: `{json.dumps(meta['workload_config'])}`",
              f"- flags: `{json.dumps(meta['flags'])}`",
              f"- expert cost: {meta['costs']['model']['expert']}",
-             f"- attention cost: {meta['costs']['model']['attention']} (MODELLED, not measured: "
-             "no GPU in this session)",
+             f"- attention cost: {meta['costs']['model']['attention']} (MODELLED, not measured)",
              f"- sampler cost: {meta['costs']['model']['sampler']} (MODELLED)",
              f"- message latency {meta['flags']['latency_us']} us per cross-device message "
              "(async) and per all-to-all (sync, two per block)", ""]
@@ -178,7 +214,8 @@ def markdown(meta, groups):
                   f"Sync peak {f['sync_peak_tokens_per_s']:.0f} tokens/s; its 90%-of-peak point: "
                   f"{ref['slots']} slots, rate {ref['rate_fraction']}, {ref['tokens_per_s']:.0f} "
                   f"tokens/s at ITL mean {ref['itl_mean_ms']:.3f} ms / p99 {ref['itl_p99_ms']:.3f} "
-                  f"ms; sync util there max {ref['util_max']:.2f}, mean {ref['util_mean']:.2f}.", "",
+                  f"ms; sync util there max {ref['util_max']:.2f}, mean {ref['util_mean']:.2f}. "
+                  f"{f['saturation']}", "",
                   "| engine | layout | tokens/s at sync mean ITL | vs sync | tokens/s at sync p99 ITL | vs sync | bound | of bound (mean) | peak tokens/s (any ITL) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for e in f["engines"]:
@@ -190,13 +227,18 @@ def markdown(meta, groups):
                 + f"{e['bound']:.2f}x | " + (f"{m['vs_sync'] / e['bound']:.0%}" if m else "-")
                 + f" | {e['peak_tokens_per_s']:.0f} |")
         lines += ["", "All points:", "",
-                  "| engine | slots | rate (x sync) | tokens/s | ITL mean ms | ITL p99 ms | util max | util mean | executions | mean batch |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| engine | slots | rate (x sync) | tokens/s | ITL mean ms | ITL p99 ms | util max | util mean | executions | mean batch | attention executions (rows each) | expert executions (rows each) | expert busy s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in g["rows"]:
+            a, x = r["by_kind"]["attention"], r["by_kind"]["expert"]
             lines.append(f"| {r['engine']} | {r['slots']} | {r['rate_fraction']} | "
                          f"{r['tokens_per_s']:.0f} | {r['itl_mean_ms']:.3f} | {r['itl_p99_ms']:.3f} | "
                          f"{r['util_max']:.2f} | {r['util_mean']:.2f} | {r['executions']} | "
-                         f"{r['mean_batch']:.1f} |")
+                         f"{r['mean_batch']:.1f} | {a['executions']} ({a['rows'] / max(a['executions'], 1):.0f}) | "
+                         f"{x['executions']} ({x['rows'] / max(x['executions'], 1):.0f}) | "
+                         f"{x['busy_s']:.3f} |")
+        lines += ["", "Executions, rows and busy seconds by kind count the whole run (every "
+                  "engine runs the same tokens and routes); utilization counts the steady window.", ""]
         lines.append("")
     c = meta["costs"]
     lines += ["## Cost envelope (us per execution by padded rows, selected buckets)", "",
@@ -213,18 +255,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     p.add_argument("--out", default=None)
-    p.add_argument("--slots", type=int, nargs="+", default=[256, 1024, 2048])
-    p.add_argument("--rate_slots", type=int, default=1024)
-    p.add_argument("--rate_fractions", type=float, nargs="*", default=[0.7])
+    p.add_argument("--slots", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--rate_slots", type=int, default=2048)
+    p.add_argument("--rate_fractions", type=float, nargs="*", default=[0.8])
     p.add_argument("--num_requests", type=int, default=2000)
     p.add_argument("--new_tokens", type=int, nargs=2, default=[16, 48])
     p.add_argument("--latency_us", type=float, default=10.0)
     p.add_argument("--replicate", type=int, default=1)
-    p.add_argument("--hold_s", type=float, default=1e-3)
-    p.add_argument("--slack", type=float, default=0.2)
+    p.add_argument("--hold_s", type=float, default=2e-3)
+    p.add_argument("--slack", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--itl_tolerance", type=float, default=0.01,
                    help="an engine's point matches the sync ITL when within this fraction above")
+    p.add_argument("--baseline_max_slots", type=int, default=1024,
+                   help="defrag, MTFS and FLFS run only at points with at most this many slots "
+                        "(they fragment waves into many small executions and are slow to simulate)")
     p.add_argument("--suffix", default="", help="appended to the record's file name")
     p.add_argument("--engines", nargs="*", default=None,
                    help="only these engines (names as in the table; sync is always needed)")

@@ -190,8 +190,8 @@ class ProductionCosts:
 
     expert: interpolated from the recorded one-GPU CUTLASS measurement
       (`expert_costs_from_record`), MEASURED.
-    attention and sampler: MODELLED (no GPU in the session that wrote
-      this): an MQA-like attention block (hidden H, H/128 query heads, one KV
+    attention and sampler: MODELLED (no GPU measurement of them at these
+      shapes is recorded): an MQA-like attention block (hidden H, H/128 query heads, one KV
       head of 128, bf16) streams its projection weights (q, o: H x H; k, v:
       H x 128; router H x E) and the KV cache of every row (ctx positions x
       2 x 128 x 2 bytes) at `bandwidth` bytes/s, plus `fixed_s` of launches;

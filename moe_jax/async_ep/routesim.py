@@ -167,6 +167,11 @@ class SimResult:
     finished: bool
     end_time: float
     layout: str = "colocated"
+    by_kind: dict = dataclasses.field(default_factory=dict)
+
+    def kind_totals(self) -> dict:
+        """{kind: (executions, rows, busy seconds)} over the whole run."""
+        return {k: tuple(v) for k, v in self.by_kind.items()}
 
 
 def make_routes(trace: TraceModel, lengths: np.ndarray, seed: int):
@@ -264,6 +269,13 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
     busy = [[] for _ in range(D)]
     route_counts = np.zeros((B, E), np.int64)
     executions, rows_total = 0, 0
+    by_kind = {kind: [0, 0, 0.0] for kind in tk.KINDS}
+
+    def account(kind, n, seconds):
+        by_kind[kind][0] += 1
+        by_kind[kind][1] += n
+        by_kind[kind][2] += seconds
+
     lat = setup.latency_s
     while True:
         while nxt < R and arrivals[order[nxt]] <= clock:
@@ -291,6 +303,7 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
             for d in range(D):
                 if t[d] > 0:
                     busy[d].append((clock, t[d]))
+                    account(tk.ATTENTION, int(per_rank[d]), t[d])
             executions += int((per_rank > 0).sum())
             rows_total += int(per_rank.sum())
             clock += max(t) + lat
@@ -304,6 +317,7 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
                     continue
                 if holders is None:
                     dev_t[home[e]] += expert(n)
+                    account(tk.EXPERT, n, expert(n))
                     executions += 1
                 else:
                     devs = np.flatnonzero(holders[b][:, e])
@@ -312,6 +326,7 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
                         m = q + (1 if j < rem else 0)
                         if m:
                             dev_t[d] += expert(m)
+                            account(tk.EXPERT, m, expert(m))
                             executions += 1
                 rows_total += n
             for d in range(D):
@@ -322,6 +337,7 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
         for d in range(D):
             if t[d] > 0:
                 busy[d].append((clock, t[d]))
+                account(tk.SAMPLER, int(per_rank[d]), t[d])
         executions += int((per_rank > 0).sum())
         rows_total += int(per_rank.sum())
         clock += max(t)
@@ -338,7 +354,7 @@ def run_sync(setup: Setup, arrivals, lengths, routes, offsets, replicate: int = 
     return SimResult(name or ("sync-repl" if replicate else "sync"),
                      np.concatenate(tok_rid), np.concatenate(tok_time), admit_time, lengths,
                      busy, D, executions, rows_total / max(executions, 1), route_counts,
-                     bool((pos >= lengths).all()), clock)
+                     bool((pos >= lengths).all()), clock, by_kind=by_kind)
 
 
 # ------------------------------------------------------------------------------------------
@@ -365,6 +381,38 @@ class _Queue:
     def oldest(self):
         return self.chunks[0][0]
 
+    def head_group(self, group_of) -> int:
+        """Wave group of the oldest queued row."""
+        return int(group_of[self.chunks[0][1][0]])
+
+    def oldest_of(self, g, group_of) -> float:
+        for t, arr in self.chunks:
+            if (group_of[arr] == g).any():
+                return t
+        raise ValueError(f"g: no row of group {g} queued")
+
+    def pop_group(self, g, m, group_of):
+        """Up to m of the oldest rows of wave group g."""
+        out, need, keep = [], m, collections.deque()
+        while self.chunks:
+            t, arr = self.chunks.popleft()
+            if need:
+                mine = group_of[arr] == g
+                take = np.flatnonzero(mine)[:need]
+                if len(take):
+                    out.append(arr[take])
+                    need -= len(take)
+                    rest = np.ones(len(arr), bool)
+                    rest[take] = False
+                    arr = arr[rest]
+            if len(arr):
+                keep.append([t, arr])
+        self.chunks = keep
+        rids = out[0] if len(out) == 1 else np.concatenate(out)
+        self.n -= len(rids)
+        self.ng[g] -= len(rids)
+        return rids
+
     def pop(self, m, group_of):
         out, need = [], m
         while need and self.chunks:
@@ -386,7 +434,7 @@ class _Queue:
 def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
               wave_admission: bool = False, name: str | None = None,
               max_batch: int | None = None, wave_groups: int = 1,
-              stagger_s: float = 0.0) -> SimResult:
+              stagger_s: float = 0.0, separate_groups: bool = False) -> SimResult:
     """Asynchronous EP on `setup`'s layout with one `scheduler` policy object
     (stateless) on every device.
 
@@ -401,10 +449,13 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
       block awaited together.
     stagger_s: group g's first tokens start no earlier than g * stagger_s
       (seconds), so that the groups' waves begin apart in the pipeline.
+    separate_groups: an execution takes rows of one wave group only (the
+      group of the queue's oldest row), so groups never merge.
     """
     trace, costs = setup.trace, setup.costs
     B, E, K = trace.num_blocks, trace.num_experts, trace.top_k
     G = int(wave_groups)
+    separate = bool(separate_groups) and G > 1
     if G < 1:
         raise ValueError(f"wave_groups must be >= 1, got {wave_groups!r}")
     if not stagger_s >= 0:
@@ -459,6 +510,7 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
     seq = 0
     tok_rid, tok_time = [], []
     executions, rows_total = 0, 0
+    by_kind = {kind: [0, 0, 0.0] for kind in tk.KINDS}
     lat = setup.latency_s
 
     def push(t, kind, dev, lid, rids):
@@ -499,10 +551,14 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
                 started.add(pl.rank_devices[r])
         return started
 
-    def incoming(lid):
-        """Rows of the groups queued at `lid` still upstream of it."""
+    def incoming(lid, only=None):
+        """Rows of the groups queued at `lid` (or of group `only`) still
+        upstream of it."""
         layer = layers[lid]
-        present = queues[lid].ng > 0
+        if only is None:
+            present = queues[lid].ng > 0
+        else:
+            present = np.arange(G) == only
         if layer.kind == tk.EXPERT:
             seen = route_counts[layer.block]
             tot = seen.sum()
@@ -520,7 +576,12 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
         if busy_until[d] > now:
             return
         lengths_d = {layers[lid]: queues[lid].n for lid in hosted[d]}
-        if timed:
+        if timed and separate:
+            heads = {lid: queues[lid].head_group(group_of) for lid in hosted[d] if queues[lid].n}
+            entries = [(layers[lid], int(queues[lid].ng[g]), queues[lid].oldest_of(g, group_of),
+                        incoming(lid, g)) for lid, g in heads.items()]
+            layer, wake = scheduler.pick_timed(now, lengths_d, entries, cost_fn, state)
+        elif timed:
             entries = [(layers[lid], queues[lid].n, queues[lid].oldest(), incoming(lid))
                        for lid in hosted[d] if queues[lid].n]
             layer, wake = scheduler.pick_timed(now, lengths_d, entries, cost_fn, state)
@@ -532,12 +593,19 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
                 push(wake, _WAKE, d, -1, None)
             return
         lid = lid_of[layer]
-        rids = queues[lid].pop(max_batch, group_of)
+        if separate:
+            rids = queues[lid].pop_group(queues[lid].head_group(group_of), max_batch, group_of)
+        else:
+            rids = queues[lid].pop(max_batch, group_of)
         spent = env[layer.kind](len(rids))
         busy_until[d] = now + spent
         busy_log[d].append((now, spent))
         executions += 1
         rows_total += len(rids)
+        acc = by_kind[layer.kind]
+        acc[0] += 1
+        acc[1] += len(rids)
+        acc[2] += spent
         push(now + spent, _DONE, d, lid, rids)
 
     def done(d, lid, rids, now):
@@ -658,7 +726,8 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
     return SimResult(label, np.concatenate(tok_rid) if tok_rid else np.zeros(0, np.int64),
                      np.concatenate(tok_time) if tok_time else np.zeros(0), admit_time,
                      lengths, busy_log, D, executions, rows_total / max(executions, 1),
-                     route_counts, bool((pos >= lengths).all()), end, layout=setup.layout)
+                     route_counts, bool((pos >= lengths).all()), end, layout=setup.layout,
+                     by_kind=by_kind)
 
 
 # ------------------------------------------------------------------------------------------

@@ -140,13 +140,16 @@ class HoldScheduler(DefragScheduler):
         cost(queued + incoming).
       idle_wait: hold even when the device has nothing else to run (the
         device then sleeps until a delivery or the earliest deadline).
+      whole_first: a fragment cheap enough to run (within slack) still waits
+        while the device has a whole queue to run.
       lookahead, decay: the defrag score; lookahead is capped at stages - 1.
     """
 
     name = "hold"
 
     def __init__(self, hold_s: float = 1e-3, escalate_s: float = 0.030, slack: float = 0.05,
-                 idle_wait: bool = True, lookahead: int = 7, decay: float = 0.8):
+                 idle_wait: bool = True, lookahead: int = 7, decay: float = 0.8,
+                 whole_first: bool = True):
         super().__init__(lookahead=lookahead, decay=decay)
         if not hold_s >= 0 or not escalate_s > 0 or not slack >= 0:
             raise ValueError(f"hold_s, slack must be >= 0 and escalate_s > 0, got "
@@ -155,6 +158,7 @@ class HoldScheduler(DefragScheduler):
         self.escalate_s = float(escalate_s)
         self.slack = float(slack)
         self.idle_wait = bool(idle_wait)
+        self.whole_first = bool(whole_first)
 
     def scores(self, queues, state):
         num_stages = state.num_blocks + 1
@@ -165,16 +169,21 @@ class HoldScheduler(DefragScheduler):
         finally:
             self.lookahead = saved
 
-    def decide(self, now: float, entries, cost) -> tuple[list, list, object]:
-        """Splits non-empty layers into (runnable, deadlines of held, escalated).
+    def decide(self, now: float, entries, cost) -> tuple[list, list, list, object]:
+        """Splits non-empty layers into (whole, fragments, deadlines, escalated).
 
         entries: (layer, queued n, enqueue time of the oldest, incoming rows);
-        cost(kind, n) -> seconds. escalated is the layer to run at once, or None.
+        cost(kind, n) -> seconds. A queue is whole when nothing of its wave is
+        upstream or its deadline has passed; a fragment otherwise. A fragment
+        is held (its deadline listed) when running it now and the rest later
+        costs more than (1 + slack) x running them together, else it is
+        runnable (listed in fragments). escalated is the layer to run at
+        once, or None.
         """
         late = [e for e in entries if now >= e[2] + self.escalate_s]
         if late:
-            return [], [], min(late, key=lambda e: (e[2], e[0].order(), e[0].index))[0]
-        runnable, deadlines = [], []
+            return [], [], [], min(late, key=lambda e: (e[2], e[0].order(), e[0].index))[0]
+        whole, fragments, deadlines = [], [], []
         for layer, n, oldest, incoming in entries:
             # compared with the deadline itself (not now - oldest), so that a
             # wake-up at the deadline always releases the queue
@@ -183,16 +192,23 @@ class HoldScheduler(DefragScheduler):
                 split = cost(layer.kind, n) + cost(layer.kind, more)
                 if split > (1.0 + self.slack) * cost(layer.kind, n + more):
                     deadlines.append(oldest + self.hold_s)
-                    continue
-            runnable.append(layer)
-        return runnable, deadlines, None
+                else:
+                    fragments.append(layer)
+                continue
+            whole.append(layer)
+        return whole, fragments, deadlines, None
 
     def pick_timed(self, now: float, queues: Mapping[LayerId, int], entries, cost,
                    state: SchedulerState) -> tuple[LayerId | None, float | None]:
-        """(layer to run now or None, time to look again or None)."""
-        runnable, deadlines, escalated = self.decide(now, entries, cost)
+        """(layer to run now or None, time to look again or None).
+
+        Whole queues go first (with whole_first); a runnable fragment runs
+        only when the device has no whole queue; held fragments wait for
+        their deadline (with idle_wait; otherwise an idle device runs one)."""
+        whole, fragments, deadlines, escalated = self.decide(now, entries, cost)
         if escalated is not None:
             return escalated, None
+        runnable = whole if (self.whole_first and whole) else whole + fragments
         if not runnable:
             if not deadlines:
                 return None, None

@@ -28,7 +28,11 @@ def _workload(costs, mode="rotated", top_k=1, devices=4, layout="colocated", ran
 
 
 ENGINES = [("sync", {}), ("sync", {"replicate": 1}), ("defrag", {}), ("mtfs", {}),
-           ("flfs", {}), ("hold", {}), ("hold", {"idle_wait": False})]
+           ("flfs", {}), ("hold", {}), ("hold", {"idle_wait": False}),
+           ("hold", {"whole_first": False}),
+           ("hold", {"wave_groups": 2, "separate_groups": True, "stagger_s": 2e-3}),
+           ("hold", {"wave_groups": 3})]
+RUN_KEYS = ("wave_groups", "separate_groups", "stagger_s")
 
 
 @pytest.mark.parametrize("mode", rs.MODES)
@@ -42,9 +46,13 @@ def test_every_request_completes_on_the_same_routes(costs, mode, top_k, rate):
         if kind == "sync":
             res = rs.run_sync(setup, arr, ln, routes, off, **kw)
         else:
-            res = rs.run_async(setup, make_scheduler(kind, **kw), arr, ln, routes, off,
-                               wave_admission=(kind == "hold"))
+            sched = make_scheduler(kind, **{k: v for k, v in kw.items() if k not in RUN_KEYS})
+            res = rs.run_async(setup, sched, arr, ln, routes, off, wave_admission=(kind == "hold"),
+                               **{k: v for k, v in kw.items() if k in RUN_KEYS})
         assert res.finished, (kind, kw)
+        executions, rows, busy = zip(*res.by_kind.values())
+        assert sum(executions) == res.executions and sum(rows) == pytest.approx(
+            res.mean_batch * res.executions)
         assert (res.route_counts == digest).all(), (kind, kw)
         assert np.bincount(res.token_rid, minlength=len(ln)).tolist() == ln.tolist()
         # tokens of a request come in order, after its admission
@@ -177,3 +185,58 @@ def test_replicated_holders_split_the_hot_expert(costs):
     setup4 = rs.Setup(rs.TraceModel(8, 2, 2, 3.0, "persistent"), costs, 4, 4, 64)
     h = rs.replicated_holders(setup4, 1)[0]
     assert h[0, 0] and h[0, 4] and h[:, 0].sum() >= 2
+
+
+def test_wave_groups_start_staggered(costs):
+    setup, arr, ln, routes, off = _workload(costs, n=80)
+    res = rs.run_async(setup, HoldScheduler(), arr, ln, routes, off, wave_admission=True,
+                       wave_groups=2, separate_groups=True, stagger_s=1.0)
+    assert res.finished and (res.route_counts == rs.route_digest(routes, off, ln)).all()
+    first = np.array([res.token_time[res.token_rid == rid].min() for rid in range(len(ln))])
+    at_zero = res.admit_time == 0.0
+    # 16 slots over 4 ranks, 2 per rank and group: 8 requests of group 1 wait for t = 1 s
+    assert at_zero.sum() == 16 and (first[at_zero] > 1.0).sum() == 8
+    one = rs.run_async(setup, HoldScheduler(), arr, ln, routes, off, wave_admission=True)
+    # two groups that never share an execution run at least as many as one wave
+    assert res.executions >= one.executions
+    with pytest.raises(ValueError, match="wave_groups"):
+        rs.run_async(setup, HoldScheduler(), arr, ln, routes, off, wave_groups=0)
+    with pytest.raises(ValueError, match="stagger_s"):
+        rs.run_async(setup, HoldScheduler(), arr, ln, routes, off, stagger_s=-1.0)
+
+
+def test_queue_pops_one_group_in_arrival_order():
+    group_of = np.array([0, 1, 0, 1, 0, 0])
+    q = rs._Queue(2)
+    q.push(0.0, np.array([0, 1, 2]), group_of)
+    q.push(1.0, np.array([3, 4, 5]), group_of)
+    assert q.ng.tolist() == [4, 2] and q.head_group(group_of) == 0
+    assert q.oldest_of(1, group_of) == 0.0
+    assert q.pop_group(0, 3, group_of).tolist() == [0, 2, 4]
+    assert q.n == 3 and q.ng.tolist() == [1, 2]
+    assert q.pop_group(1, 5, group_of).tolist() == [1, 3]
+    assert q.head_group(group_of) == 0 and q.pop(9, group_of).tolist() == [5]
+    assert q.n == 0 and q.ng.tolist() == [0, 0]
+
+
+def test_hold_releases_at_its_deadline_despite_rounding():
+    s = HoldScheduler(hold_s=1e-3, slack=0.0)
+    state = SchedulerState(4)
+    # oldest + hold_s - oldest < hold_s in floating point for this oldest
+    oldest = next(t for t in np.linspace(0.01, 1.0, 997) if (t + 1e-3) - t < 1e-3)
+    frag = _entry(1, tk.EXPERT, 0, 3, oldest, 20)
+    layer, wake = s.pick_timed(oldest + 1e-3, {frag[0]: 3}, [frag], _flat, state)
+    assert layer == frag[0] and wake is None
+
+
+def test_hold_runs_whole_queues_before_cheap_fragments():
+    state = SchedulerState(4)
+    linear = lambda kind, n: 1e-6 * n  # noqa: E731  (splitting is free: never held)
+    frag = _entry(1, tk.EXPERT, 0, 30, 0.0, 20)
+    whole = _entry(2, tk.ATTENTION, 0, 1, 0.0, 0)
+    queues = {frag[0]: 30, whole[0]: 1}
+    assert HoldScheduler().pick_timed(0.0, queues, [frag, whole], linear, state)[0] == whole[0]
+    assert HoldScheduler(whole_first=False).pick_timed(
+        0.0, queues, [frag, whole], linear, state)[0] == frag[0]
+    # alone, the cheap fragment runs
+    assert HoldScheduler().pick_timed(0.0, {frag[0]: 30}, [frag], linear, state)[0] == frag[0]

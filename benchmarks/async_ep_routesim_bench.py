@@ -201,8 +201,11 @@ def markdown(meta, groups):
              f"- workload: `{json.dumps(meta['workload_config'])}`",
              f"- flags: `{json.dumps(meta['flags'])}`",
              f"- expert cost: {meta['costs']['model']['expert']}",
-             f"- attention cost: {meta['costs']['model']['attention']} (MODELLED, not measured)",
-             f"- sampler cost: {meta['costs']['model']['sampler']} (MODELLED)",
+             f"- attention cost: {meta['costs']['model']['attention']}"
+             + (" (MODELLED, not measured)" if meta['costs']['model']['attention'].startswith(
+                 "modelled") else ""),
+             f"- sampler cost: {meta['costs']['model']['sampler']}"
+             + (" (MODELLED)" if meta['costs']['model']['sampler'].startswith("modelled") else ""),
              f"- message latency {meta['flags']['latency_us']} us per cross-device message "
              "(async) and per all-to-all (sync, two per block)", ""]
     for g in groups:
@@ -242,7 +245,7 @@ def markdown(meta, groups):
         lines.append("")
     c = meta["costs"]
     lines += ["## Cost envelope (us per execution by padded rows, selected buckets)", "",
-              "| rows | expert (measured, interpolated) | attention (modelled) | sampler (modelled) |",
+              "| rows | expert | attention | sampler |",
               "|---:|---:|---:|---:|"]
     for i, b in enumerate(c["buckets"]):
         if b in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) or i == len(c["buckets"]) - 1:
@@ -267,6 +270,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--itl_tolerance", type=float, default=0.01,
                    help="an engine's point matches the sync ITL when within this fraction above")
+    p.add_argument("--gpu_costs", default=None,
+                   help="a benchmarks/async_ep_costs_gpu.py record: every kind's cost from it "
+                        "(default: the expert record and the modelled attention / sampler)")
     p.add_argument("--baseline_max_slots", type=int, default=1024,
                    help="defrag, MTFS and FLFS run only at points with at most this many slots "
                         "(they fragment waves into many small executions and are slow to simulate)")
@@ -275,7 +281,7 @@ def main(argv=None):
                    help="only these engines (names as in the table; sync is always needed)")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
-    costs = ProductionCosts(RECORD)
+    costs = ProductionCosts(RECORD, gpu_costs=args.gpu_costs)
     trace = rs.TraceModel(w["experts"], w["blocks"], w["top_k"], w["skew"], w["mode"],
                           seed=args.seed)
     start = time.perf_counter()

@@ -190,8 +190,9 @@ class ProductionCosts:
 
     expert: interpolated from the recorded one-GPU CUTLASS measurement
       (`expert_costs_from_record`), MEASURED.
-    attention and sampler: MODELLED (no GPU measurement of them at these
-      shapes is recorded): an MQA-like attention block (hidden H, H/128 query heads, one KV
+    attention and sampler: MODELLED unless `gpu_costs` names a record of
+      `benchmarks/async_ep_costs_gpu.py` (then every kind comes from it,
+      MEASURED per execution on one GPU): an MQA-like attention block (hidden H, H/128 query heads, one KV
       head of 128, bf16) streams its projection weights (q, o: H x H; k, v:
       H x 128; router H x E) and the KV cache of every row (ctx positions x
       2 x 128 x 2 bytes) at `bandwidth` bytes/s, plus `fixed_s` of launches;
@@ -200,7 +201,7 @@ class ProductionCosts:
 
     def __init__(self, record_path: str, max_rows: int = 2048, context: int = 160,
                  fixed_s: float = 15e-6, vocab: int = 32000, bandwidth: float | None = None,
-                 step: float = 1.125):
+                 step: float = 1.125, gpu_costs: str | None = None):
         xs, ys, info = expert_costs_from_record(record_path)
         self.source = info
         hidden = int(info["hidden"])
@@ -220,6 +221,27 @@ class ProductionCosts:
                                  f"bf16 / {bw / 1e9:.0f} GB/s",
                       "expert": f"measured: {info['source']} (CUTLASS, bf16, {info['device']}), "
                                 f"per expert cutlass_us(E n) / E, interpolated linearly in rows"}
+        if gpu_costs:
+            self._use_gpu_costs(gpu_costs)
+
+    def _use_gpu_costs(self, path: str):
+        """Every kind from a `benchmarks/async_ep_costs_gpu.py` record (one GPU,
+        one execution per bucket), interpolated linearly onto the buckets."""
+        with open(path) as f:
+            record = json.load(f)
+        meta = record["meta"]
+        xs = [int(b) for b in record["buckets"]]
+        if xs[-1] < self.buckets[-1]:
+            raise ValueError(f"gpu_costs: {path} stops at {xs[-1]} rows, the envelopes need "
+                             f"{self.buckets[-1]}")
+        for kind in tk.KINDS:
+            ys = [float(v) for v in record[f"{kind}_s"]]
+            env = CostEnvelope(self.buckets, [interpolate(xs, ys, b) for b in self.buckets])
+            setattr(self, {tk.ATTENTION: "attention", tk.EXPERT: "expert",
+                           tk.SAMPLER: "sampler"}[kind], env)
+            self.model[kind] = (f"measured: {path} ({meta['device']}, {meta['date']}, commit "
+                                f"{meta['commit']}), shape {json.dumps(meta['shape'])}")
+        self.source = {**self.source, "gpu_costs": path, "gpu_costs_meta": meta}
 
     def of(self, kind: str) -> CostEnvelope:
         return {tk.ATTENTION: self.attention, tk.EXPERT: self.expert, tk.SAMPLER: self.sampler}[kind]

@@ -425,3 +425,78 @@ def test_nnx_module_with_placement_follows_a_rebalance():
         layer.set_placement(reb.placement)
         changes.append(changed)
     assert changes[0] and (reb.placement.num_replicas() > 1).any()
+
+
+# --------------------------------------------------------------------------
+# GPUs (any count >= 2: the largest of 8, 4, 2 that fits)
+# --------------------------------------------------------------------------
+
+GPU_CASES = [("max_counts", "lax"), ("cap_and_spill", "lax"), ("cap_and_spill", "custom_call"),
+             ("cap_and_spill", "nvlink"), ("ragged", "lax"), ("ragged", "nvlink")]
+
+
+def _gpu_ranks() -> int:
+    try:
+        found = len(jax.devices("gpu"))
+    except RuntimeError:
+        found = 0
+    ranks = max([r for r in (8, 4, 2) if r <= found], default=0)
+    if not ranks:
+        pytest.skip(f"needs >= 2 GPUs, found {found}")
+    return ranks
+
+
+def _gpu_case(ranks: int, seed: int):
+    config = CONFIG.replace(hidden_size=256, ffn_size=128)
+    params = init_moe_params(jax.random.key(seed), config)
+    u = jax.random.normal(jax.random.key(seed + 1), (256,))
+    u = u / jnp.linalg.norm(u)
+    params = params._replace(router=params.router.at[:, 0].add(4.0 * u))   # expert 0 hot
+    x = jax.random.normal(jax.random.key(seed + 2), (32 * ranks, 256)) + 1.5 * u
+    return config, params, x
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("strategy, transport", GPU_CASES)
+def test_gpu_layer_with_placement_gives_dense_bits(strategy, transport):
+    ranks = _gpu_ranks()
+    config, params, x = _gpu_case(ranks, 50)
+    mesh = mesh_of(ranks, "gpu")
+    want, want_aux = jax.jit(lambda p, x: moe_layer(p, x, config.replace(strategy="dense")))(
+        params, x)
+    loads = np.asarray(want_aux.expert_rows, np.float64)
+    run = jax.jit(lambda p, x, a: moe_layer(
+        p, x, config.replace(strategy=strategy, transport=transport), mesh, placement=a))
+    slots = E // ranks + 1
+    for pl in (propose(loads, ranks, slots, 3), random_placement(np.random.default_rng(1),
+                                                                ranks, slots)):
+        got, aux = run(params._replace(experts=slot_weights(params.experts, pl)), x,
+                       pl.device_arrays())
+        np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)))
+        np.testing.assert_array_equal(aux.expert_rows, want_aux.expert_rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("transport", ["lax", "nvlink"])
+def test_gpu_training_keeps_copies_identical(transport):
+    ranks = _gpu_ranks()
+    config, params, x = _gpu_case(ranks, 60)
+    config = config.replace(strategy="cap_and_spill", transport=transport)
+    mesh = mesh_of(ranks, "gpu")
+    pl = propose(np.array([40.0, 30, 10, 5, 5, 4, 3, 3]), ranks, E // ranks + 1, 3)
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, state, x, placement):
+        grads = jax.grad(lambda p: jnp.mean(
+            (moe_layer(p, x, config, mesh, placement=placement)[0] - jnp.tanh(x)) ** 2))(p)
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+    p = params._replace(experts=slot_weights(params.experts, pl))
+    state = opt.init(p)
+    for i in range(3):
+        p, state = step(p, state, x * (1.0 + 0.1 * i), pl.device_arrays())
+        _copies_identical((p.experts, state[0].mu.experts), pl)

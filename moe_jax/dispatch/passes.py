@@ -66,16 +66,50 @@ def locate_rows(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array):
     return local, jnp.where(valid, canonical, invalid_index).astype(jnp.int32)
 
 
-def run_experts(rows: jax.Array, local_expert: jax.Array, num_local: int,
-                expert_fn: ExpertFn) -> jax.Array:
-    """Applies each row's expert; rows with local_expert == num_local are padding."""
-    num_rows = rows.shape[0]
-    order = jnp.argsort(local_expert, stable=True)
-    group_sizes = jnp.zeros((num_local,), jnp.int32).at[local_expert].add(1, mode="drop")
-    out_sorted = expert_fn(rows[order], group_sizes)
-    inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(
-        jnp.arange(num_rows, dtype=jnp.int32))
-    return out_sorted[inverse]
+def window_positions(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array, *,
+                     start: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """Where received rows go when a window's rows are sorted by local expert.
+
+    Args:
+      src, q: [M] int32 source rank and stream position of each received row,
+        every q in [start, start + width).
+      recv_expert_counts: [P, E_local] rows each source sends each local expert
+        (its stream: expert-major, so expert e's rows are one range of it).
+      start, width: the window of stream positions the rows come from.
+    Returns:
+      (pos [M] int32: the row's index in the window's rows ordered by local
+       expert, then source, then stream position (a stable sort by expert of
+       the source-major rows); M + (the row's index) for rows past their
+       stream's end, so every index is distinct,
+       group_sizes [E_local] int32: the window's rows per local expert).
+    """
+    num_local = recv_expert_counts.shape[1]
+    ends = jnp.cumsum(recv_expert_counts, axis=1)
+    lo = jnp.clip(ends - recv_expert_counts, start, start + width)
+    in_window = jnp.clip(ends, start, start + width) - lo
+    group_sizes = jnp.sum(in_window, axis=0).astype(jnp.int32)
+    local = jnp.sum(q[:, None] >= ends[src], axis=1)
+    safe = jnp.minimum(local, num_local - 1)
+    pos = (exclusive_cumsum(group_sizes)[safe] + exclusive_cumsum(in_window, axis=0)[src, safe]
+           + q - lo[src, safe])
+    beyond = q.shape[0] + jnp.arange(q.shape[0])
+    return jnp.where(local < num_local, pos, beyond).astype(jnp.int32), group_sizes
+
+
+def run_experts(rows: jax.Array, pos: jax.Array, group_sizes: jax.Array, expert_fn: ExpertFn,
+                *, in_order: bool = False) -> jax.Array:
+    """Applies each row's expert (window_positions gives pos and group_sizes).
+
+    rows: [M, H] received rows; pos: [M] their expert-major positions (>= M
+    for padding rows, whose outputs are zero). With in_order (one source: its
+    window is already expert-major, pos is the identity on real rows and
+    padding comes last) the rows go to the experts as they are.
+    """
+    if in_order:
+        return expert_fn(rows, group_sizes)
+    ordered = jnp.zeros_like(rows).at[pos].set(rows, mode="drop", unique_indices=True)
+    return expert_fn(ordered, group_sizes).at[pos].get(mode="fill", fill_value=0,
+                                                       unique_indices=True)
 
 
 def deliver(rows, canonical, recv_expert_counts, total_rows: int) -> Delivered:
@@ -223,17 +257,19 @@ def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Ar
        this rank's stream position start + c to rank p, zero past the
        stream's end; Delivered or None).
     """
-    num_ranks, num_local = plan.num_ranks, plan.experts_per_rank
+    num_ranks = plan.num_ranks
     rows = send_window(x, plan, ctx, start=start, capacity=capacity,
                        spill_capacity=spill_capacity, tap=tap)
     width = capacity + spill_capacity
     src = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), width)
     q = jnp.tile(start + jnp.arange(width, dtype=jnp.int32), num_ranks)
-    local, canonical = locate_rows(src, q, recv_expert_counts)
+    pos, group_sizes = window_positions(src, q, recv_expert_counts, start=start, width=width)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
-    out_rows = run_experts(flat, local, num_local, expert_fn).reshape(rows.shape)
+    out_rows = run_experts(flat, pos, group_sizes, expert_fn,
+                           in_order=num_ranks == 1).reshape(rows.shape)
     delivered = None
     if delivered_rows is not None:
+        _, canonical = locate_rows(src, q, recv_expert_counts)
         delivered = deliver(flat, canonical, recv_expert_counts, delivered_rows)
     return ctx.all_to_all(out_rows), delivered
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from moe_jax.dispatch.context import DispatchContext
-from moe_jax.dispatch.passes import deliver, locate_rows, run_experts
+from moe_jax.dispatch.passes import deliver, locate_rows, run_experts, window_positions
 from moe_jax.dispatch.stats import stream_stats
 from moe_jax.plan import DROPPED_POS, exclusive_cumsum, worst_case_rows_per_peer
 
@@ -32,8 +32,8 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
     src = jnp.clip(jnp.sum(r[:, None] >= (recv_offsets + recv_counts)[None, :], axis=1),
                    0, num_ranks - 1).astype(jnp.int32)
     q = r - recv_offsets[src]
-    local, canonical = locate_rows(src, q, recv_expert_counts)
-    out_rows = run_experts(rows, local, num_local, expert_fn)
+    pos, group_sizes = window_positions(src, q, recv_expert_counts, start=0, width=recv_rows)
+    out_rows = run_experts(rows, pos, group_sizes, expert_fn)
     back, _ = ctx.grouped_all_to_all(out_rows, recv_counts, plan.send_counts, num_slots)
     stream_pos = jnp.where(plan.pos == DROPPED_POS, DROPPED_POS,
                            plan.send_offsets[plan.dest] + plan.pos)
@@ -41,5 +41,6 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
                       start=0, out_dtype=jnp.float32)
     delivered = None
     if delivered_rows is not None:
+        _, canonical = locate_rows(src, q, recv_expert_counts)
         delivered = deliver(rows, canonical, recv_expert_counts, delivered_rows)
     return out, stream_stats(peer_counts, num_slots=num_slots * num_ranks), delivered

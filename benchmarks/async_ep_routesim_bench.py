@@ -20,8 +20,8 @@ Workloads:
 Engines: sync (ideal barrier-synchronous), sync-repl (the same with the
 hottest expert of each block replicated), async-defrag (Algorithm 1),
 async-mtfs, async-flfs (the named baselines; only at points with at most
---baseline_max_slots slots), async-hold (the cost-aware hold scheduler,
-wave-aligned admission) and async-hold-2w (the same with each rank's slots in
+--baseline_max_slots slots), async-hold (the cost-aware hold scheduler:
+whole waves, cheapest execution first; wave-aligned admission) and async-hold-2w (the same with each rank's slots in
 two wave groups that never share an execution, the second started half a
 sync ITL later).
 
@@ -75,7 +75,7 @@ def engines_for(group: str, args):
 
 
 def _engines_for(group: str, args):
-    hold = dict(hold_s=args.hold_s, slack=args.slack)
+    hold = dict(hold_s=args.hold_s, slack=args.slack, priority=args.priority)
     two = {"wave_groups": 2, "separate_groups": True}
     if group == "colocated":
         return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
@@ -258,7 +258,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     p.add_argument("--out", default=None)
-    p.add_argument("--slots", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--slots", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 6144])
     p.add_argument("--rate_slots", type=int, default=2048)
     p.add_argument("--rate_fractions", type=float, nargs="*", default=[0.8])
     p.add_argument("--num_requests", type=int, default=2000)
@@ -267,6 +267,8 @@ def main(argv=None):
     p.add_argument("--replicate", type=int, default=1)
     p.add_argument("--hold_s", type=float, default=2e-3)
     p.add_argument("--slack", type=float, default=0.05)
+    p.add_argument("--priority", choices=["shortest", "score"], default="shortest",
+                   help="the hold scheduler's order among the queues it may run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--itl_tolerance", type=float, default=0.01,
                    help="an engine's point matches the sync ITL when within this fraction above")

@@ -236,7 +236,20 @@ def test_hold_runs_whole_queues_before_cheap_fragments():
     whole = _entry(2, tk.ATTENTION, 0, 1, 0.0, 0)
     queues = {frag[0]: 30, whole[0]: 1}
     assert HoldScheduler().pick_timed(0.0, queues, [frag, whole], linear, state)[0] == whole[0]
-    assert HoldScheduler(whole_first=False).pick_timed(
+    assert HoldScheduler(whole_first=False, priority="score").pick_timed(
         0.0, queues, [frag, whole], linear, state)[0] == frag[0]
     # alone, the cheap fragment runs
     assert HoldScheduler().pick_timed(0.0, {frag[0]: 30}, [frag], linear, state)[0] == frag[0]
+
+
+def test_hold_priority_shortest_execution_first():
+    state = SchedulerState(8)
+    big = _entry(1, tk.EXPERT, 0, 300, 0.0, 0)
+    small = _entry(5, tk.EXPERT, 1, 10, 0.0, 0)
+    queues = {big[0]: 300, small[0]: 10}
+    assert HoldScheduler().pick_timed(0.0, queues, [big, small], _flat, state)[0] == small[0]
+    # the defrag score prefers the longer queue
+    assert HoldScheduler(priority="score").pick_timed(
+        0.0, queues, [big, small], _flat, state)[0] == big[0]
+    with pytest.raises(ValueError, match="priority"):
+        HoldScheduler(priority="longest")

@@ -16,12 +16,15 @@ many blocks the pipeline has. None means every queue is empty.
 * `HoldScheduler` ("hold"): cost-aware and not work-conserving. With a
   timed view (`pick_timed`, used by the routing-only simulation) it holds a
   queue while more of its wave is still upstream and running the fragment
-  now would cost noticeably more than running the whole wave later, and
-  releases it at a deadline; a layer whose oldest token waited
+  now would cost more than (1 + slack) x running the whole wave later, and
+  releases it at a deadline; a fragment cheap enough to run still waits
+  while the device has a whole queue; a layer whose oldest token waited
   `escalate_s` (30 ms, as the released AMoE code) runs first. Among the
-  layers it may run it uses the defrag score with the lookahead capped at
-  stages - 1 (no wrap onto itself). Without a timed view (`pick`) it is
-  that capped defrag score alone, work-conserving.
+  queues it may run it takes the cheapest execution (shortest processing
+  time first: the waves waiting behind it are released soonest), or with
+  priority="score" the defrag score with the lookahead capped at stages - 1
+  (no wrap onto itself). Without a timed view (`pick`) it is that capped
+  defrag score alone, work-conserving.
 """
 
 from __future__ import annotations
@@ -142,6 +145,9 @@ class HoldScheduler(DefragScheduler):
         device then sleeps until a delivery or the earliest deadline).
       whole_first: a fragment cheap enough to run (within slack) still waits
         while the device has a whole queue to run.
+      priority: among the queues it may run, "score" takes the best defrag
+        score, "shortest" the cheapest execution (shortest processing time
+        first: the other waves on the device are released soonest).
       lookahead, decay: the defrag score; lookahead is capped at stages - 1.
     """
 
@@ -149,7 +155,7 @@ class HoldScheduler(DefragScheduler):
 
     def __init__(self, hold_s: float = 1e-3, escalate_s: float = 0.030, slack: float = 0.05,
                  idle_wait: bool = True, lookahead: int = 7, decay: float = 0.8,
-                 whole_first: bool = True):
+                 whole_first: bool = True, priority: str = "shortest"):
         super().__init__(lookahead=lookahead, decay=decay)
         if not hold_s >= 0 or not escalate_s > 0 or not slack >= 0:
             raise ValueError(f"hold_s, slack must be >= 0 and escalate_s > 0, got "
@@ -159,6 +165,9 @@ class HoldScheduler(DefragScheduler):
         self.slack = float(slack)
         self.idle_wait = bool(idle_wait)
         self.whole_first = bool(whole_first)
+        if priority not in ("score", "shortest"):
+            raise ValueError(f"priority must be 'score' or 'shortest', got {priority!r}")
+        self.priority = priority
 
     def scores(self, queues, state):
         num_stages = state.num_blocks + 1
@@ -215,6 +224,11 @@ class HoldScheduler(DefragScheduler):
             if self.idle_wait:
                 return None, min(deadlines)
             runnable = [e[0] for e in entries]
+        if self.priority == "shortest":
+            n_of = {e[0]: e[1] for e in entries}
+            best = min(runnable, key=lambda layer: (cost(layer.kind, n_of[layer]),
+                                                    layer.order(), layer.index))
+            return best, None
         scores = self.scores({layer: queues[layer] for layer in queues}, state)
         best = max(runnable, key=lambda layer: (round(scores[layer], 9),
                                                 -layer.order(), -layer.index))

@@ -23,7 +23,7 @@ TINY = ["--vocab=64", "--d_model=32", "--heads=4", "--layers=1", "--experts=4", 
         "--ffn=32", "--batch=4", "--prompt_len=4", "--tokens=4", "--seed=5", "--progress=off"]
 
 
-def launch(out_dir: Path, *flags: str, timeout: int = 150) -> subprocess.CompletedProcess:
+def launch(out_dir: Path, *flags: str, timeout: int = 480) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(LAUNCH), "--num_processes=2", "--devices_per_process=2",
            f"--out_dir={out_dir}", f"--timeout={timeout - 30}", "--", *TINY, *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -54,7 +54,7 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
     run = subprocess.run([sys.executable, str(EXAMPLE), *TINY, "--ep=4", "--strategy=ragged",
                           f"--tokens_out={single}"], env=env, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     expected = json.loads(single.read_text())
     assert expected["num_processes"] == 1 and expected["kernel_impl"] == "custom_call"
@@ -64,7 +64,7 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
 
 
 def test_cpu_custom_call_across_processes_is_refused(tmp_path):
-    proc = launch(tmp_path, "--strategy=max_counts", "--transport=custom_call", timeout=120)
+    proc = launch(tmp_path, "--strategy=max_counts", "--transport=custom_call", timeout=300)
     assert proc.returncode == 1 and "FAIL" in proc.stdout
     log = (tmp_path / "process_0.log").read_text()
     assert "transport: the CPU all-to-all custom call is an in-process rendezvous" in log

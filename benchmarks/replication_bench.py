@@ -15,7 +15,13 @@ the slots it holds (self rows included) are counted. Placements compared:
   placement, used from the next step on;
 * ``oracle S=E/P+d``: ``propose`` on the step's own per-expert loads (perfect
   prediction; the bound for any load-predicting rebalancer), evaluated on
-  every --oracle_every-th step only (it runs one proposal per trace).
+  every --oracle_every-th step only (it runs one proposal per trace);
+* with --balanced, the balanced rule (``moe_layer(...,
+  replica_choice="balanced")``: the step's own per-expert counts, all-gathered,
+  level the holders' rows; no preference for the sender's replica) on
+  ``spread S=E/P+d`` (``Placement.spread``, static: every expert's home
+  plus the following ranks' spare slots) and on the EMA placements
+  (``ema+balanced``).
 
 Reported over the steps >= --warmup_steps (all layers): the busiest rank's
 received rows over the mean rank's (mean over the (layer, step) traces, and
@@ -61,8 +67,8 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks.provenance import code_meta, portable_command  # noqa: E402
 from moe_jax.calibration import calibrate  # noqa: E402
-from moe_jax.replication import (LoadTracker, Placement, choose_replica_np,  # noqa: E402
-                                 propose)
+from moe_jax.replication import (LoadTracker, Placement, choose_balanced_np,  # noqa: E402
+                                 choose_replica_np, propose)
 from moe_jax.traces import RoutingTrace, TraceModel, generate_traces, sample_routing  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -81,6 +87,7 @@ flags.DEFINE_integer("warmup_steps", 100, "Steps left out of the statistics.")
 flags.DEFINE_integer("oracle_every", 10, "Oracle rows evaluate every n-th step (0: none).")
 flags.DEFINE_float("target", 1.15, "Busiest-over-mean target reported against.")
 flags.DEFINE_integer("seed", 0, "Trace seed.")
+flags.DEFINE_bool("balanced", True, "Also rows of the balanced rule (spread and EMA placements).")
 flags.DEFINE_integer("layer_check", 8, "Traces per row also dispatched by the layer's code "
                      "on CPU devices, whose per-rank rows must equal the simulation's (0: none).")
 
@@ -128,13 +135,20 @@ def trace_sets(num_ranks: int) -> list[tuple[str, str, list[RoutingTrace]]]:
     return sets
 
 
-def simulate(trace: RoutingTrace, placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+def simulate(trace: RoutingTrace, placement: Placement, balanced: bool = False
+             ) -> tuple[np.ndarray, np.ndarray]:
     """(received rows per rank [P], per-(source, destination) counts [P, P])."""
     P, S = placement.num_ranks, placement.slots_per_rank
     a = placement.as_arrays()
     src = trace.source_ranks()[:, None]
-    slot = choose_replica_np(trace.token_idx[:, None], trace.experts, src, a["local_slot"],
-                             a["replica_slots"], a["num_replicas"])
+    if balanced:
+        n = trace.num_tokens // P
+        slot = choose_balanced_np(trace.experts.reshape(P, n * trace.top_k), None, None,
+                                  a["replica_slots"], a["num_replicas"], S
+                                  ).reshape(trace.experts.shape)
+    else:
+        slot = choose_replica_np(trace.token_idx[:, None], trace.experts, src, a["local_slot"],
+                                 a["replica_slots"], a["num_replicas"])
     dest = (slot // S).astype(np.int64)
     pair = np.bincount((np.broadcast_to(src, dest.shape) * P + dest).reshape(-1),
                        minlength=P * P).reshape(P, P)
@@ -142,7 +156,7 @@ def simulate(trace: RoutingTrace, placement: Placement) -> tuple[np.ndarray, np.
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_rows_fn(num_ranks: int, slots: int, tokens: int):
+def _layer_rows_fn(num_ranks: int, slots: int, tokens: int, balanced: bool):
     """Jitted: (ids [P * tokens, k], token offsets [P], PlacementArrays) ->
     rows each slot received [P * S], by the layer's dispatch on P CPU devices."""
     import jax  # noqa: PLC0415
@@ -151,7 +165,7 @@ def _layer_rows_fn(num_ranks: int, slots: int, tokens: int):
 
     from moe_jax.dispatch import DispatchContext, dispatch_combine  # noqa: PLC0415
     from moe_jax.mesh import expert_mesh  # noqa: PLC0415
-    from moe_jax.replicated import slot_ids  # noqa: PLC0415
+    from moe_jax.replicated import balanced_slot_ids, slot_ids  # noqa: PLC0415
     from moe_jax.replication import PlacementArrays  # noqa: PLC0415
 
     mesh = expert_mesh(num_ranks, devices=jax.devices("cpu"))
@@ -159,7 +173,10 @@ def _layer_rows_fn(num_ranks: int, slots: int, tokens: int):
                           tuple(mesh.devices.flat))
 
     def body(ids, offset, placement):
-        slot = slot_ids(ids, placement, ctx.rank(), offset[0])
+        if balanced:
+            slot = balanced_slot_ids(ids, placement, ctx.rank(), ctx.all_gather)
+        else:
+            slot = slot_ids(ids, placement, ctx.rank(), offset[0])
         x = jnp.ones((ids.shape[0], 8), jnp.float32)
         w = jnp.ones(ids.shape, jnp.float32)
         res = dispatch_combine(x, slot, w, lambda rows, sizes: rows, strategy="ragged",
@@ -171,7 +188,8 @@ def _layer_rows_fn(num_ranks: int, slots: int, tokens: int):
                                  out_specs=PS("ep")))
 
 
-def layer_rows(trace: RoutingTrace, placement: Placement, tokens: int) -> np.ndarray | None:
+def layer_rows(trace: RoutingTrace, placement: Placement, tokens: int, balanced: bool = False
+               ) -> np.ndarray | None:
     """Rows per rank [P] by the layer's dispatch (None when the trace's
     tokens are not contiguous ids per rank, as the layer numbers them)."""
     P, S = placement.num_ranks, placement.slots_per_rank
@@ -181,7 +199,7 @@ def layer_rows(trace: RoutingTrace, placement: Placement, tokens: int) -> np.nda
         return None
     ids = np.full((P, tokens, trace.top_k), -1, np.int32)
     ids[:, :n] = trace.experts.reshape(P, n, -1)
-    sizes = _layer_rows_fn(P, S, tokens)(ids.reshape(P * tokens, -1),
+    sizes = _layer_rows_fn(P, S, tokens, balanced)(ids.reshape(P * tokens, -1),
                                         idx[:, 0].astype(np.int32),
                                         placement.device_arrays())
     return np.asarray(sizes).reshape(P, S).sum(axis=1)
@@ -214,11 +232,18 @@ def run_set(traces: list[RoutingTrace], num_ranks: int) -> list[dict]:
     if FLAGS.oracle_every:
         for d in FLAGS.extra_slots:
             configs.append((f"oracle S={per_rank}+{d}", per_rank + int(d), "oracle"))
+    if FLAGS.balanced:
+        for d in FLAGS.extra_slots:
+            configs.append((f"spread+balanced S={per_rank}+{d}", per_rank + int(d), "spread"))
+        for d in FLAGS.extra_slots:
+            configs.append((f"ema+balanced S={per_rank}+{d}", per_rank + int(d), "ema"))
     rows = []
     tokens = max(tr.num_tokens // P for tr in traces)
     for name, S, mode in configs:
         t0 = time.perf_counter()
-        placements = [Placement.default(E, P, S) for _ in range(L)]
+        balanced = "balanced" in name
+        start = Placement.spread if mode == "spread" else Placement.default
+        placements = [start(E, P, S) for _ in range(L)]
         trackers = [LoadTracker(E, FLAGS.alpha) for _ in range(L)]
         ratios, pairs, rebalances, checked = [], [], 0, 0
         for tr in traces:
@@ -231,9 +256,9 @@ def run_set(traces: list[RoutingTrace], num_ranks: int) -> list[dict]:
             else:
                 placement = placements[layer]
             if counted:
-                received, pair = simulate(tr, placement)
+                received, pair = simulate(tr, placement, balanced)
                 if checked < FLAGS.layer_check:
-                    by_layer = layer_rows(tr, placement, tokens)
+                    by_layer = layer_rows(tr, placement, tokens, balanced)
                     if by_layer is not None:
                         if not np.array_equal(by_layer, received):
                             raise SystemExit(f"layer dispatch {by_layer.tolist()} != simulation "
@@ -271,6 +296,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
              f"num_replicated={meta['num_replicated']})` every {meta['rebalance_every']} "
              f"steps; oracle: `propose` on the step's own loads, every "
              f"{meta['oracle_every']}-th step",
+             "- +balanced: the balanced rule (`replica_choice=\"balanced\"`: the step's "
+             "per-expert counts level the holders' rows) on `Placement.spread` (static) or "
+             "the EMA placements; the other rows use the local-then-hash rule",
              "- busiest/mean: the busiest rank's received rows (all its slots, self rows "
              "included) over the mean rank's, per (layer, step); C: cap-and-spill "
              "capacity at q = 0.99 of the per-(source, destination) counts "
@@ -311,6 +339,7 @@ def main(argv):
                 rebalance_every=FLAGS.rebalance_every, oracle_every=FLAGS.oracle_every,
                 fixed_tokens=FLAGS.fixed_tokens, exp_skews=[float(s) for s in FLAGS.exp_skews],
                 target=FLAGS.target, seed=FLAGS.seed, layer_check=FLAGS.layer_check,
+                balanced=FLAGS.balanced,
                 **code_meta())
     results = []
     for p in FLAGS.ranks:

@@ -13,7 +13,8 @@ from moe_jax.config import MoEConfig
 from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
 from moe_jax.plan import kept_picks
-from moe_jax.replicated import check_placement, dense_slot_ids, slot_ids, tie_copies
+from moe_jax.replicated import (balanced_slot_ids, check_placement, dense_slot_ids, slot_ids,
+                                tie_copies)
 from moe_jax.replication import PlacementArrays
 from moe_jax.routing import load_balancing_loss, route, router_logits, router_z_loss
 from moe_jax.topology import (TransportChoice, choose_transport, fast_topology, logger,
@@ -133,7 +134,8 @@ def _expert_fn(experts: ExpertWeights, config: MoEConfig, platform: str):
 
 def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
                         ctx: DispatchContext, return_delivered: bool,
-                        placement: PlacementArrays | None = None):
+                        placement: PlacementArrays | None = None,
+                        replica_choice: str = "local"):
     experts = params.experts
     if placement is not None:   # tied before routing: its gradient ends the backward
         if ctx.axis_name is None:
@@ -148,6 +150,8 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
     if placement is not None:
         if ctx.axis_name is None:
             ids = dense_slot_ids(ids, placement)
+        elif replica_choice == "balanced":
+            ids = balanced_slot_ids(ids, placement, ctx.rank(), ctx.all_gather)
         else:
             rank = ctx.rank()
             ids = slot_ids(ids, placement, rank, rank * tokens.shape[0])
@@ -174,7 +178,7 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
 
 def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
               mesh: jax.sharding.Mesh | None = None, *,
-              placement: PlacementArrays | None = None,
+              placement: PlacementArrays | None = None, replica_choice: str = "local",
               return_delivered: bool = False) -> tuple[jax.Array, MoEAux]:
     """Applies the MoE layer to x.
 
@@ -194,6 +198,10 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         expert (the replica on its own rank, else one by a hash of the
         token's index); the copies' gradients are summed (`tie_copies`).
         None: params.experts holds the E experts.
+      replica_choice: with a placement, how a pick picks a replica: "local"
+        (the sender's own replica, else a hash of the token's index) or
+        "balanced" (the step's per-expert counts, all-gathered over the
+        expert axis, level the holders' rows: `balanced_slot_ids`).
       return_delivered: return the rows each expert received in
         aux.delivered, every rank's split over the same axes as the tokens.
     Returns:
@@ -213,6 +221,9 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         raise ValueError(f"moe_layer: argument 'params.experts' must hold num_experts="
                          f"{config.num_experts} experts without a placement, got "
                          f"{params.experts.num_experts}")
+    if replica_choice not in ("local", "balanced"):
+        raise ValueError(f"moe_layer: argument 'replica_choice' must be 'local' or 'balanced', "
+                         f"got {replica_choice!r}")
     if placement is not None:
         ranks = None if config.strategy == "dense" else (
             mesh.shape.get(config.expert_axis) if mesh is not None else None)
@@ -260,7 +271,7 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
     placement_spec = None if placement is None else PlacementArrays(P(), P(), P(), P())
 
     def body(p, t, placed):
-        return _route_and_dispatch(p, t, config, ctx, return_delivered, placed)
+        return _route_and_dispatch(p, t, config, ctx, return_delivered, placed, replica_choice)
 
     shard = lambda spec, a: _place(a, mesh, spec)
     params = jax.tree.map(shard, param_specs, params)

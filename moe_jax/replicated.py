@@ -33,7 +33,7 @@ from moe_jax.experts import ExpertWeights
 from moe_jax.plan import kept_picks
 from moe_jax.replication import Placement, PlacementArrays, choose_replica
 
-__all__ = ["check_placement", "dense_slot_ids", "logical_weights", "slot_ids", "slot_weights",
+__all__ = ["balanced_sizes", "balanced_slot_ids", "check_placement", "dense_slot_ids", "logical_weights", "slot_ids", "slot_weights",
            "tie_copies"]
 
 
@@ -86,6 +86,90 @@ def slot_ids(expert_ids: jax.Array, placement: PlacementArrays, rank: jax.Array,
     slots = choose_replica(token, safe, rank, placement.local_slot, placement.replica_slots,
                            placement.num_replicas)
     return jnp.where(kept, slots, -1).astype(jnp.int32)
+
+
+def balanced_sizes(counts: jax.Array, placement: PlacementArrays) -> jax.Array:
+    """``[E, P]`` int32 rows each replica of each expert receives under the
+    balanced rule (``moe_jax.replication.balanced_split_np``, the same
+    integers): single-rank experts load their rank, then the replicated
+    ones, by decreasing rows, level their holders' loads.
+
+    counts: ``[P, E]`` int32 rows per (source rank, expert) of the step, the
+    same on every rank (one all-gather). Jit-safe; no gradient.
+    """
+    counts = counts.astype(jnp.int32)
+    P, E = counts.shape
+    S = placement.slots_per_rank
+    total = jnp.sum(counts, axis=0)
+    num = placement.num_replicas.astype(jnp.int32)
+    holder = placement.replica_slots.astype(jnp.int32) // S                # [E, P]
+    valid = jnp.arange(P)[None, :] < num[:, None]
+    single = num == 1
+    load = jnp.zeros((P,), jnp.int32).at[holder[:, 0]].add(jnp.where(single, total, 0))
+    sizes = jnp.zeros((E, P), jnp.int32).at[:, 0].set(jnp.where(single, total, 0))
+    order = jnp.argsort(-total, stable=True)
+    big = jnp.iinfo(jnp.int32).max // 2
+
+    def step(i, carry):
+        load, sizes = carry
+        e = order[i]
+        rows, h, v = total[e], holder[e], valid[e]
+        lv = load[h]
+
+        def fill(lam):
+            return jnp.sum(jnp.where(v, jnp.maximum(lam - lv, 0), 0))
+
+        def bisect(_, bounds):
+            lo, hi = bounds
+            mid = (lo + hi) // 2
+            ok = fill(mid) >= rows
+            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+        lo = jnp.min(jnp.where(v, lv, big))
+        hi = jnp.max(jnp.where(v, lv, 0)) + rows
+        lam, _ = jax.lax.fori_loop(0, 32, bisect, (lo, hi))
+        base = jnp.where(v, jnp.maximum(lam - 1 - lv, 0), 0)
+        rest = rows - jnp.sum(base)
+        eligible = v & (lv <= lam - 1)
+        extra = eligible & (jnp.cumsum(eligible.astype(jnp.int32)) - 1 < rest)
+        share = jnp.where(single[e], 0, base + extra.astype(jnp.int32))
+        load = load.at[h].add(share)
+        sizes = jnp.where(single[e], sizes, sizes.at[e].set(share))
+        return load, sizes
+
+    _, sizes = jax.lax.fori_loop(0, E, step, (load, sizes))
+    return sizes
+
+
+def balanced_slot_ids(expert_ids: jax.Array, placement: PlacementArrays, rank: jax.Array,
+                      all_gather: Callable) -> jax.Array:
+    """[T, k] int32 global slot of each pick under the balanced rule, -1 for
+    a dropped pick.
+
+    The rank's per-expert counts are all-gathered (``all_gather``: [E] ->
+    [P, E] over the expert axis); expert ``e``'s picks, numbered in (source
+    rank, token, pick) order, are cut into consecutive ranges of
+    :func:`balanced_sizes` rows, one per replica in replica order. Every
+    rank computes the same sizes, so the receivers' loads are levelled by
+    the step's own counts (no preference for the sender's own replica).
+    Jit-safe; no gradient.
+    """
+    ids = expert_ids.astype(jnp.int32)
+    E = placement.num_experts
+    kept = kept_picks(ids, E)
+    flat = jnp.where(kept, ids, E).reshape(-1)                           # E: dropped
+    onehot = (flat[:, None] == jnp.arange(E)[None, :]).astype(jnp.int32)  # [N, E]
+    counts = all_gather(jnp.sum(onehot, axis=0))                          # [P, E]
+    seen = jnp.cumsum(onehot, axis=0) - onehot
+    safe = jnp.minimum(flat, E - 1)
+    before = jnp.take_along_axis(seen, safe[:, None], axis=1)[:, 0]
+    offset = (jnp.cumsum(counts, axis=0) - counts)[rank]                 # [E]
+    position = offset[safe] + before
+    ends = jnp.cumsum(balanced_sizes(counts, placement), axis=1)          # [E, P]
+    replica = jnp.sum(position[:, None] >= ends[safe], axis=1)
+    replica = jnp.minimum(replica, placement.num_replicas.astype(jnp.int32)[safe] - 1)
+    slots = placement.replica_slots.astype(jnp.int32)[safe, replica]
+    return jnp.where(flat < E, slots, -1).reshape(ids.shape).astype(jnp.int32)
 
 
 def dense_slot_ids(expert_ids: jax.Array, placement: PlacementArrays) -> jax.Array:

@@ -77,7 +77,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LoadTracker", "Placement", "PlacementArrays", "choose_replica", "choose_replica_np",
+__all__ = ["LoadTracker", "Placement", "PlacementArrays", "balanced_split_np",
+           "choose_balanced_np", "choose_replica", "choose_replica_np",
            "expected_rank_loads", "hash32_np", "hash32", "propose"]
 
 DEFAULT_ALPHA = 0.99
@@ -301,6 +302,24 @@ class Placement:
         home = np.arange(num_experts, dtype=np.int32).reshape(num_ranks, per_rank)
         spare = np.repeat(home[:, :1], slots_per_rank - per_rank, axis=1)
         return cls(np.concatenate([home, spare], axis=1), num_experts)
+
+    @classmethod
+    def spread(cls, num_experts: int, num_ranks: int, slots_per_rank: int) -> "Placement":
+        """Every expert on its home slot, and the spare slots filled round-robin
+        with the experts of the following ranks: spare slot ``j`` of rank
+        ``q`` holds expert ``((q + 1 + j // (E/P)) * (E/P) + j % (E/P)) % E``.
+        With ``S = E/P + d`` and ``d`` a multiple of ``E/P``, every expert
+        sits on ``1 + d / (E/P)`` consecutive ranks. A static placement for
+        the balanced rule (``moe_layer(..., replica_choice="balanced")``),
+        which levels the step's own loads over whatever replicas exist."""
+        base = cls.default(num_experts, num_ranks, slots_per_rank)
+        per_rank = num_experts // num_ranks
+        slot_expert = np.array(base.slot_expert)
+        for j in range(slots_per_rank - per_rank):
+            for q in range(num_ranks):
+                slot_expert[q, per_rank + j] = (((q + 1 + j // per_rank) * per_rank
+                                                 + j % per_rank) % num_experts)
+        return cls(slot_expert, num_experts)
 
     # -- state ----------------------------------------------------------------
     def to_state(self) -> dict[str, np.ndarray]:
@@ -655,3 +674,90 @@ def propose(tracker_or_loads: Any, num_ranks: int, slots_per_rank: int,
             slot_expert[q, next_free[q]] = e
             next_free[q] += 1
     return Placement(slot_expert, E)
+
+
+# --------------------------------------------------------------------------
+# The balanced choice rule (count-aware)
+# --------------------------------------------------------------------------
+
+
+def balanced_split_np(counts: Any, replica_slots: np.ndarray, num_replicas: np.ndarray,
+                      slots_per_rank: int) -> np.ndarray:
+    """``[E, P]`` int64 rows each replica of each expert receives this step
+    under the balanced rule (column ``j``: ``replica_slots[e, j]``; zero past
+    ``num_replicas[e]``).
+
+    ``counts [P, E]``: the step's rows per (source rank, expert), which every
+    rank knows after one all-gather. Experts on one rank load it with all
+    their rows; then the replicated experts, by decreasing rows (ties: lower
+    id), fill their holders' loads up to a common level: the smallest
+    integer ``lam`` with ``sum_j max(0, lam - load_j) >= L_e``; each holder
+    gets ``max(0, lam - 1 - load_j)`` rows and the remaining ones go one
+    each to the holders at or below ``lam - 1``, lowest replica first.
+    """
+    counts = np.asarray(counts, np.int64)
+    P, E = counts.shape
+    reps = np.asarray(replica_slots)
+    num = np.asarray(num_replicas)
+    total = counts.sum(axis=0)
+    holder = reps // slots_per_rank                                   # [E, P]
+    valid = np.arange(P)[None, :] < num[:, None]
+    load = np.bincount(holder[num == 1, 0], weights=total[num == 1],
+                       minlength=P).astype(np.int64)
+    sizes = np.zeros((E, P), np.int64)
+    sizes[num == 1, 0] = total[num == 1]
+    order = sorted(range(E), key=lambda e: (-total[e], e))
+    for e in order:
+        if num[e] == 1:
+            continue
+        n, rows = int(num[e]), int(total[e])
+        h = holder[e, :n]
+        lv = load[h]
+        lo, hi = int(lv.min()), int(lv.max()) + rows     # smallest lam in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if np.maximum(mid - lv, 0).sum() >= rows:
+                hi = mid
+            else:
+                lo = mid + 1
+        lam = lo
+        base = np.maximum(lam - 1 - lv, 0)
+        rest = rows - int(base.sum())
+        extra = np.zeros(n, np.int64)
+        eligible = np.flatnonzero(lv <= lam - 1)
+        extra[eligible[:rest]] = 1
+        sizes[e, :n] = base + extra
+        load[h] += sizes[e, :n]
+    sizes[~valid] = 0
+    return sizes
+
+
+def choose_balanced_np(expert: Any, src_rank: Any, counts: Any, replica_slots: np.ndarray,
+                       num_replicas: np.ndarray, slots_per_rank: int) -> np.ndarray:
+    """Global slot of every pick under the balanced rule.
+
+    ``expert [P, N]``: each source rank's picks in order (ids outside
+    ``[0, E)`` are dropped: -1), ``src_rank`` unused beyond the row order
+    (row ``r`` is rank ``r``). Expert ``e``'s picks are numbered in (source
+    rank, pick) order and cut into consecutive ranges of
+    :func:`balanced_split_np`'s sizes, one per replica in replica order.
+    """
+    del src_rank
+    ids = np.asarray(expert, np.int64)
+    P, N = ids.shape
+    E = np.asarray(num_replicas).shape[0]
+    kept = (ids >= 0) & (ids < E)
+    onehot = (np.where(kept, ids, E)[..., None] == np.arange(E)).astype(np.int64)  # [P, N, E]
+    if counts is None:
+        counts = onehot.sum(axis=1)
+    counts = np.asarray(counts, np.int64)
+    sizes = balanced_split_np(counts, replica_slots, num_replicas, slots_per_rank)
+    ends = np.cumsum(sizes, axis=1)                                  # [E, P]
+    offset = np.cumsum(counts, axis=0) - counts                      # [P, E]
+    safe = np.where(kept, ids, 0)
+    seen = np.take_along_axis(np.cumsum(onehot, axis=1) - onehot, safe[..., None], axis=2)[..., 0]
+    position = np.take_along_axis(offset, safe, axis=1) + seen      # [P, N]
+    replica = (position[..., None] >= ends[safe]).sum(axis=-1)
+    replica = np.minimum(replica, np.asarray(num_replicas)[safe] - 1)   # dropped picks
+    out = np.asarray(replica_slots)[safe, replica]
+    return np.where(kept, out, -1).astype(np.int32)

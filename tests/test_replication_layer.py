@@ -19,8 +19,10 @@ from moe_jax.dispatch import DispatchContext, dispatch_combine
 from moe_jax.layer import MoEParams, init_moe_params, moe_layer
 from moe_jax.plan import kept_picks
 from moe_jax.rebalance import Rebalancer, move_slots
-from moe_jax.replicated import logical_weights, slot_ids, slot_weights
-from moe_jax.replication import Placement, choose_replica_np, propose
+from moe_jax.replicated import (balanced_sizes, balanced_slot_ids, logical_weights, slot_ids,
+                                slot_weights)
+from moe_jax.replication import (Placement, balanced_split_np, choose_balanced_np,
+                                 choose_replica_np, propose)
 from moe_testing import ROUTINGS, bits, expert_fn, make_routing, mesh_of, run_dense
 
 E, H, F, K = 8, 32, 48, 2
@@ -113,6 +115,87 @@ def test_layer_with_placement_gives_dense_bits(strategy, transport, ranks):
     assert run._cache_size() == 1
 
 
+@functools.lru_cache(maxsize=None)
+def _balanced_layer(strategy, transport, ranks):
+    config = CONFIG.replace(strategy=strategy, transport=transport)
+    return jax.jit(lambda p, x, a: moe_layer(p, x, config, mesh_of(ranks), placement=a,
+                                             replica_choice="balanced",
+                                             return_delivered=True))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_balanced_rule_gives_dense_bits_and_levels_the_ranks(strategy, transport):
+    """replica_choice="balanced" at EP 8: dense's bits on the spread, a
+    proposed and a random placement; each slot gets the rows the NumPy rule
+    gives it; on the spread placement its busiest rank gets fewer rows than
+    under the local-then-hash rule."""
+    ranks = 8
+    params, x = skewed_case(71, 32 * ranks)
+    want, want_aux = _dense()(params, x)
+    loads = np.asarray(want_aux.expert_rows, np.float64)
+    ids = np.asarray(jax.lax.top_k(jax.nn.softmax(
+        np.asarray(x) @ np.asarray(params.router)), K)[1]).reshape(ranks, -1)
+    run = _balanced_layer(strategy, transport, ranks)
+    for name, pl in [("spread", Placement.spread(E, ranks, 3)),
+                     ("proposed", propose(loads, ranks, 3, 3)),
+                     ("random", random_placement(np.random.default_rng(3), ranks, 3))]:
+        got, aux = run(params._replace(experts=slot_weights(params.experts, pl)), x,
+                       pl.device_arrays())
+        np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(want)), err_msg=name)
+        a = pl.as_arrays()
+        rule = choose_balanced_np(ids, None, None, a["replica_slots"], a["num_replicas"],
+                                  pl.slots_per_rank)
+        sizes = np.asarray(aux.delivered.group_sizes)
+        np.testing.assert_array_equal(sizes, np.bincount(rule.ravel(),
+                                                         minlength=pl.slot_expert.size))
+        if name == "spread":     # levels better than the local-then-hash rule
+            rows = sizes.reshape(ranks, -1).sum(axis=1)
+            t = np.arange(ids.size // K).reshape(ranks, -1, 1)
+            local = choose_replica_np(t, ids.reshape(ranks, -1, K), t // t.shape[1],
+                                      a["local_slot"], a["replica_slots"], a["num_replicas"])
+            local_rows = np.bincount(local.ravel() // pl.slots_per_rank, minlength=ranks)
+            assert rows.max() < local_rows.max(), (rows, local_rows)
+    assert run._cache_size() == 1
+
+
+@given(data=st.data())
+def test_balanced_sizes_numpy_and_jnp_agree(data):
+    ranks = data.draw(st.sampled_from([2, 4, 8]), "ranks")
+    slots = E // ranks + data.draw(st.integers(0, 3), "spare")
+    seed = data.draw(st.integers(0, 2 ** 16), "seed")
+    rng = np.random.default_rng(seed)
+    pl = random_placement(rng, ranks, slots) if data.draw(st.booleans(), "random") \
+        else Placement.spread(E, ranks, slots)
+    counts = rng.integers(0, data.draw(st.sampled_from([1, 5, 40]), "scale"), (ranks, E))
+    if data.draw(st.booleans(), "one_hot"):           # one expert takes everything
+        counts[:] = 0
+        counts[:, rng.integers(E)] = rng.integers(1, 30, ranks)
+    a = pl.as_arrays()
+    want = balanced_split_np(counts, a["replica_slots"], a["num_replicas"], slots)
+    got = jax.jit(balanced_sizes)(jnp.asarray(counts, jnp.int32), pl.device_arrays())
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # An independent reference: single-rank experts first, then each
+    # replicated expert (most rows first) row by row to its least-loaded
+    # holder (lowest replica first on ties).
+    total = counts.sum(axis=0)
+    n = a["num_replicas"]
+    holder = a["replica_slots"] // slots
+    load = np.zeros(ranks, np.int64)
+    ref = np.zeros((E, ranks), np.int64)
+    for e in range(E):
+        if n[e] == 1:
+            load[holder[e, 0]] += total[e]
+            ref[e, 0] = total[e]
+    for e in sorted(range(E), key=lambda e: (-total[e], e)):
+        if n[e] > 1:
+            for _ in range(total[e]):
+                j = min(range(n[e]), key=lambda j: (load[holder[e, j]], j))
+                ref[e, j] += 1
+                load[holder[e, j]] += 1
+    np.testing.assert_array_equal(want, ref)
+
+
 def test_proposed_placement_lowers_the_busiest_rank():
     ranks = 4
     params, x = skewed_case(3, 64 * ranks)
@@ -156,7 +239,7 @@ def test_dense_with_placement_gives_dense_bits():
 
 
 @functools.lru_cache(maxsize=None)
-def _slot_runner(strategy, transport, ranks, slots):
+def _slot_runner(strategy, transport, ranks, slots, balanced):
     mesh = mesh_of(ranks)
     ctx = DispatchContext("ep", ranks, transport, "custom_call", "cpu", tuple(mesh.devices.flat))
     capacity = 2 if strategy == "cap_and_spill" else None
@@ -164,7 +247,10 @@ def _slot_runner(strategy, transport, ranks, slots):
 
     def body(x, ids, w, w_gate_up, w_down, placement):
         rank = ctx.rank()
-        slot = slot_ids(ids, placement, rank, rank * x.shape[0])
+        if balanced:
+            slot = balanced_slot_ids(ids, placement, rank, ctx.all_gather)
+        else:
+            slot = slot_ids(ids, placement, rank, rank * x.shape[0])
         fn = expert_fn(mj.ExpertWeights(w_gate_up, w_down), jnp.float32, "row_invariant")
         res = dispatch_combine(x, slot, w, fn, strategy=strategy, ctx=ctx,
                                experts_per_rank=slots, capacity=capacity,
@@ -183,8 +269,10 @@ def _slot_runner(strategy, transport, ranks, slots):
 @given(data=st.data())
 def test_adversarial_routings_give_dense_bits(strategy, transport, data):
     """Any routing kind (dropped picks too) under a random or proposed
-    placement: dense's bits, and each pick on the slot the numpy rule names."""
+    placement, with either rule: dense's bits, and each pick on the slot the
+    numpy rule names."""
     ranks = data.draw(st.sampled_from([4, 8]), "ranks")
+    balanced = data.draw(st.booleans(), "balanced")
     kind = data.draw(st.sampled_from(ROUTINGS), "kind")
     seed = data.draw(st.integers(0, 2 ** 16), "seed")
     slots = E // ranks + data.draw(st.integers(1, 2), "spare")
@@ -204,7 +292,7 @@ def test_adversarial_routings_give_dense_bits(strategy, transport, data):
         pl = random_placement(rng, ranks, slots)
     want, _, _ = run_dense(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), logical,
                            impl="custom_call", matmul="row_invariant")
-    mesh, fn = _slot_runner(strategy, transport, ranks, slots)
+    mesh, fn = _slot_runner(strategy, transport, ranks, slots, balanced)
     split = NamedSharding(mesh, P("ep"))
     args = [jax.device_put(jnp.asarray(a), split)
             for a in (x, ids, w, *slot_weights(logical, pl))]
@@ -213,8 +301,12 @@ def test_adversarial_routings_give_dense_bits(strategy, transport, data):
     a = pl.as_arrays()
     kept = np.asarray(kept_picks(jnp.asarray(ids), E))
     t = np.arange(tokens)[:, None]
-    rule = choose_replica_np(t, np.where(kept, ids, 0), t // (tokens // ranks),
-                             a["local_slot"], a["replica_slots"], a["num_replicas"])
+    if balanced:
+        rule = choose_balanced_np(np.where(kept, ids, -1).reshape(ranks, -1), None, None,
+                                  a["replica_slots"], a["num_replicas"], slots).reshape(ids.shape)
+    else:
+        rule = choose_replica_np(t, np.where(kept, ids, 0), t // (tokens // ranks),
+                                 a["local_slot"], a["replica_slots"], a["num_replicas"])
     np.testing.assert_array_equal(np.asarray(slot), np.where(kept, rule, -1))
     assert int(dropped) == int((~kept).sum())
 

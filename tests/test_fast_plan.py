@@ -13,6 +13,7 @@ from hypothesis import given, strategies as st
 from moe_jax.fast import cpp
 from moe_jax.fast import phases as ph
 from moe_jax.fast import plan as pl
+from moe_jax.fast import reference as ref
 from moe_jax.fast import workloads
 from fast_testing import buffer_cases, expected_out, traffic_cases
 
@@ -171,3 +172,30 @@ def test_cpp_plan_at_scale():
   ws_rows = pl.workspace_rows(rows_in, rows_out, 8, 8)
   assert (plan.workspace_used <= ws_rows).all()
   pl.check_plan(plan, t, rows_in, rows_out, ws_rows)
+
+
+@given(traffic_cases())
+def test_intra_server_part_spreads_over_the_stages(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  plan = pl.execution_plan(t, n, m, s)
+  ops = plan.ops
+  cut = pl.intra_cuts(s.real, n)
+  sb = s.num_bvn_stages
+  for src in range(n * m):
+    for dst in range(n * m):
+      if src == dst or src // m != dst // m or t[src, dst] == 0:
+        continue
+      mine = ops[(ops[:, pl.SRC] == src) & (ops[:, pl.DST] == dst)
+                 & (ops[:, pl.FLOW_SRC] == src) & (ops[:, pl.FLOW_DST] == dst)]
+      # Stage k's share in phase k + 1, straight from x to out, rows in
+      # order, covering the flow once; none past the first 2n stages.
+      want = [(k + 1 if sb else 0, cut(t[src, dst], k),
+               cut(t[src, dst], k + 1) - cut(t[src, dst], k))
+              for k in range(max(sb, 1))]
+      want = [w for w in want if w[2] > 0] if sb else [(0, 0, t[src, dst])]
+      got = [(int(o[pl.PHASE]), int(o[pl.FLOW_ROW]), int(o[pl.ROWS]))
+             for o in mine]
+      assert got == want
+      assert all(p <= 2 * n for p, _, _ in got)
+      assert sum(r for _, _, r in got) == t[src, dst]

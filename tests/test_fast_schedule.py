@@ -23,7 +23,7 @@ def _check(t, n, m):
     recon[np.arange(n), perm] += w
   np.testing.assert_array_equal(recon, p)
   # Stage count bound and optimal server-level time.
-  assert s.num_bvn_stages <= n * n - 2 * n + 2
+  assert s.num_bvn_stages <= n * n - 2 * n + 4  # the second in 3 parts
   assert int(s.server_stage_times().sum()) == s.bound
   assert s.bound == ref.lower_bounds(t, n, m)["server"]
   # Scale-out is one-to-one, peer-to-peer, and each GPU carries its share
@@ -141,5 +141,20 @@ def test_balanced_server_matrix_needs_no_padding(n, seed):
     d[np.arange(n), (np.arange(n) + i) % n] = x
   s = ref.fast_schedule(d, n, 1)
   np.testing.assert_array_equal(s.padded_matrix, d)
-  assert s.num_bvn_stages <= n * n - 2 * n + 2
+  assert s.num_bvn_stages <= n * n - 2 * n + 4  # the second in 3 parts
   assert int(s.server_stage_times().sum()) == s.bound == int(w.sum())
+
+
+@given(st.integers(0, 10**12), st.integers(1, 8))
+def test_second_stage_runs_in_growing_parts(w, m):
+  mats = np.asarray([[1, 0], [0, 1], [1, 0]])
+  ws = np.asarray([5, w, 7], np.int64)
+  got_m, got_w = ref.split_second_stage(mats, ws, m)
+  parts = got_w[1:-1]
+  assert int(parts.sum()) == w and (parts > 0).all()
+  assert got_w[0] == 5 and got_w[-1] == 7
+  assert (got_m[1:-1] == mats[1]).all()
+  # Cuts at 10 / 40 and 23 / 40 of the weight, rounded down to multiples
+  # of M.
+  cuts = {w * x // 40 - w * x // 40 % m for x in ref.SPLIT_CUM[:-1]}
+  assert np.cumsum(parts)[:-1].tolist() == sorted(cuts - {0, w})

@@ -25,9 +25,9 @@ first; scale-out, redistribution and the intra-server part take the
 Phases (what may run concurrently; the FAST pipeline, NSDI '26 section 4.3),
 one NCCL group each: phase 0 holds the local copies ``T[g, g]`` and the
 balancing of BvN stage 0's units; phase ``k + 1`` the scale-out of stage
-``k``, the intra-server part (k = 0) or the redistribution of stage
-``k - 1``, and the balancing of the units stage ``k + 1`` sends; phase
-``S + 1`` the last redistribution.  Without scale-out the intra-server part
+``k``, stage ``k``'s share of the intra-server part (``intra_cuts``), the
+redistribution of stage ``k - 1`` (k > 0), and the balancing of the units
+stage ``k + 1`` sends; phase ``S + 1`` the last redistribution.  Without scale-out the intra-server part
 runs in phase 0.  Every op of a phase reads only rows that
 were in place when the phase began, and no two ops write the same row.
 
@@ -119,15 +119,47 @@ def max_phases(num_servers: int) -> int:
   """Upper bound of ``num_phases`` for any traffic on ``num_servers``."""
   if num_servers <= 1:
     return 1
-  return num_servers * num_servers - 2 * num_servers + 2 + 2
+  # BvN stages (n^2 - 2n + 2, the second in three parts), phase 0 and the
+  # last redistribution.
+  return num_servers * num_servers - 2 * num_servers + 2 + 2 + 2
+
+
+def intra_cuts(real, num_servers: int):
+  """Where the intra-server part splits over the BvN stages.
+
+  Returns ``cut(amount, k)``: the rows of an intra-server flow of
+  ``amount`` rows sent before BvN stage k (``cut(amount, 0) == 0``,
+  ``cut(amount, S) == amount``).  The first ``min(S, 2n)`` stages (in the
+  order they run) carry the flow in proportion to their size, the largest
+  real unit count over servers (``real`` int[S, n]), which is what their
+  scale-out lasts; the rest carry none.  Every GPU derives the same cuts
+  from the server-level schedule.
+  """
+  real = np.asarray(real, np.int64).reshape(-1, max(int(num_servers), 1))
+  s = real.shape[0]
+  size = real.max(axis=1) if s else np.zeros(0, np.int64)
+  size[2 * int(num_servers):] = 0
+  cum = [0]
+  for x in size:
+    cum.append(cum[-1] + int(x))
+  total = cum[-1]
+
+  def cut(amount: int, k: int) -> int:
+    if total == 0:
+      return 0 if k == 0 else int(amount)
+    return int(amount) * cum[k] // total
+
+  return cut
 
 
 def stage_phase(kind: str, bvn_index: int, num_bvn_stages: int) -> int:
-  """Phase of a schedule stage (see the module docstring)."""
+  """Phase of a schedule stage (see the module docstring); for the
+  intra-server part, split over the stages (``intra_cuts``), the phase of
+  BvN stage ``bvn_index``'s share."""
   if kind == "balance":
     return 0
   if kind == "intra":
-    return 1 if num_bvn_stages > 0 else 0
+    return bvn_index + 1 if num_bvn_stages > 0 else 0
   if kind == "scale_out":
     return bvn_index + 1
   if kind == "redistribute":
@@ -265,15 +297,25 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int,
       move(phase, fs, tr.src_gpu, pieces, fs, fd)
 
   intra = ref._stage_of_kind(schedule, "intra")
+  cut = intra_cuts(schedule.real, n)
+
+  def run_intra(k, phase):
+    """Stage k's share of every intra-server flow, from its first rows
+    not yet sent."""
+    for tr in intra.transfers:
+      y = cut(tr.amount, k + 1) - cut(tr.amount, k)
+      if y > 0:
+        fs, fd = tr.flow
+        move(phase, fs, fd, hold.take((fs, fs, fd), y, False, phase), fs, fd)
+
   if s_bvn == 0:
     run(intra, 0)
   else:
     balance(0, 0)
     for k in range(s_bvn):
       run(ref._stage_of_kind(schedule, "scale_out", k), k + 1)
-      if k == 0:
-        run(intra, 1)
-      else:
+      run_intra(k, k + 1)
+      if k > 0:
         run(ref._stage_of_kind(schedule, "redistribute", k - 1), k + 1)
       if k + 1 < s_bvn:
         balance(k + 1, k + 1)

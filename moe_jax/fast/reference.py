@@ -287,6 +287,44 @@ def stage_order(d: np.ndarray, matchings: np.ndarray, weights: np.ndarray
   return np.asarray([first] + rest, np.int64)
 
 
+# Cumulative weights of the parts the second stage runs in (10 : 13 : 17).
+SPLIT_CUM = (10, 23, 40)
+
+
+def split_second_stage(matchings: np.ndarray, weights: np.ndarray,
+                       gpus_per_server: int = 1
+                       ) -> tuple[np.ndarray, np.ndarray]:
+  """Splits the stage run second into three parts of growing weight.
+
+  A stage's balancing by use runs during the previous stage's scale-out.
+  After the light first stage the heaviest stage follows, whose balancing
+  (up to about 0.8 of its own scale-out time at NIC:NVLink 1:9) a light
+  stage cannot hide; in parts of weight 10 : 13 : 17 each part's balancing
+  overlaps the previous part's scale-out and only the first, smaller part's
+  remains exposed.  The cuts are rounded down to multiples of
+  ``gpus_per_server`` (a part's lanes then carry equal shares whenever the
+  stage's did); parts of weight 0 are dropped.
+  """
+  s = int(weights.shape[0])
+  if s <= 1:
+    return matchings, weights
+  w = int(weights[1])
+  parts, done = [], 0
+  m = max(int(gpus_per_server), 1)
+  for upto in SPLIT_CUM:
+    to = w * upto // SPLIT_CUM[-1]
+    if upto != SPLIT_CUM[-1]:
+      to -= to % m
+    if to > done:
+      parts.append(to - done)
+    done = to
+  mats = np.concatenate([matchings[:1], np.repeat(matchings[1:2], len(parts), 0),
+                         matchings[2:]])
+  ws = np.concatenate([weights[:1], np.asarray(parts, weights.dtype),
+                       weights[2:]])
+  return mats, ws
+
+
 def _lane_order(lane: int, m: int) -> list[int]:
   """Order in which lane ``lane`` queues its own flows into a server: by
   local destination from its own index on, ``lane, lane + 1, ..`` (mod M),
@@ -305,7 +343,7 @@ def fast_schedule(traffic, num_servers: int, gpus_per_server: int) -> Schedule:
   bound = int(max(d.sum(0).max(initial=0), d.sum(1).max(initial=0)))
   mats, ws = bvn_decompose(padded)
   order = stage_order(d, mats, ws)
-  mats, ws = mats[order], ws[order]
+  mats, ws = split_second_stage(mats[order], ws[order], m)
 
   # 1. Balancing.  queues[a][b][l]: list of [flow, amount] GPU l of a carries
   # to server b, in sending order.

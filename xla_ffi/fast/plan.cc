@@ -37,14 +37,55 @@ std::string IndexStages(const FastSchedule& schedule, StageIndex* index) {
   return {};
 }
 
+// Splits the intra-server part over the BvN stages (plan.py's
+// intra_cuts): the first min(S, 2n) stages in run order carry each flow in
+// proportion to their size (largest real unit count over servers), the
+// rest none.  At(k) moves to stage k, whose share of a flow of `amount`
+// rows is rows [Lo(amount), Hi(amount)); stages go in order.
+class IntraCuts {
+ public:
+  explicit IntraCuts(const FastSchedule& schedule)
+    : schedule_(schedule),
+          carriers_(std::min(schedule.num_stages, 2 * schedule.num_servers)) {
+    for (int k = 0; k < carriers_; ++k) total_ += Size(k);
+  }
+  void At(int k) {
+    lo_ = hi_;
+    if (k < carriers_) hi_ += Size(k);
+    first_ = k == 0;
+  }
+  int64_t Lo(int64_t amount) const { return Cut(amount, lo_, !first_); }
+  int64_t Hi(int64_t amount) const { return Cut(amount, hi_, true); }
+
+ private:
+  int64_t Size(int k) const {
+    const int n = schedule_.num_servers;
+    const int64_t* r = schedule_.real.data() + static_cast<size_t>(k) * n;
+    return *std::max_element(r, r + n);
+  }
+  // Rows before cumulative size `cum`; without sizes all go in stage 0.
+  int64_t Cut(int64_t amount, int64_t cum, bool after_first) const {
+    if (total_ == 0) return after_first ? amount : 0;
+    return static_cast<int64_t>(static_cast<__int128>(amount) * cum /
+                                    total_);
+  }
+
+  const FastSchedule& schedule_;
+  int carriers_;
+  int64_t total_ = 0;
+  int64_t lo_ = 0, hi_ = 0;
+  bool first_ = true;
+};
+
 // Calls, until one returns false, in plan order: balance(k, phase) for
 // the balancing by use of BvN stage k (k = 0 in phase 0, stage k + 1 in
-// phase k + 1), and apply(row, phase) on every other row: without BvN
-// stages the intra-server part (phase 0); else per stage k the scale-out
-// of stage k (phase k + 1), then the intra-server part (k = 0) or the
-// redistribution of stage k - 1, then the balancing of stage k + 1; the
-// last redistribution in phase S + 1.  Balancing rows (stage 0) are not
-// applied: the balancing moves by use.  Returns whether every call
+// phase k + 1), and apply(row, phase, first, rows) on every other row
+// (`rows` of its units from unit `first` on): without BvN stages the
+// intra-server part (phase 0); else per stage k the scale-out of stage k
+// (phase k + 1), stage k's share of the intra-server part (IntraCuts), the
+// redistribution of stage k - 1 (k > 0), then the balancing of stage
+// k + 1; the last redistribution in phase S + 1.  Balancing rows (stage 0)
+// are not applied: the balancing moves by use.  Returns whether every call
 // returned true.
 template <typename Apply, typename Balance>
 bool RunStages(const FastSchedule& schedule, const StageIndex& index,
@@ -54,19 +95,25 @@ bool RunStages(const FastSchedule& schedule, const StageIndex& index,
   auto run = [&](int64_t st, int64_t phase) {
     const int64_t* rows = st >= 3 && st % 2 ? rd : tr;
     for (int64_t i = index.begin[st]; i < index.end[st]; ++i) {
-      if (!apply(rows + i * kTransferCols, phase)) return false;
+      const int64_t* row = rows + i * kTransferCols;
+      if (!apply(row, phase, 0, row[kAmount])) return false;
     }
     return true;
   };
   const int s = schedule.num_stages;
   if (s == 0) return run(1, 0);
   if (!balance(0, 0)) return false;
+  IntraCuts cuts(schedule);
   for (int k = 0; k < s; ++k) {
     const int64_t phase = k + 1;
     if (!run(2 + 2 * static_cast<int64_t>(k), phase)) return false;
-    if (!run(k == 0 ? 1 : 1 + 2 * static_cast<int64_t>(k), phase)) {
-      return false;
+    cuts.At(k);
+    for (int64_t i = index.begin[1]; i < index.end[1]; ++i) {
+      const int64_t* row = tr + i * kTransferCols;
+      const int64_t lo = cuts.Lo(row[kAmount]), hi = cuts.Hi(row[kAmount]);
+      if (hi > lo && !apply(row, phase, lo, hi - lo)) return false;
     }
+    if (k > 0 && !run(1 + 2 * static_cast<int64_t>(k), phase)) return false;
     if (k + 1 < s && !balance(k + 1, phase)) return false;
   }
   return run(1 + 2 * static_cast<int64_t>(s), s + 1);
@@ -137,10 +184,10 @@ std::string ExecutionPlanner::Take(uint64_t key, int64_t amount,
 
 // One schedule row (kTransferCols columns) in `phase`.
 std::string ExecutionPlanner::Apply(const int64_t* row, int64_t phase,
-                                    ExecutionPlan* out) {
+                                    int64_t rows, ExecutionPlan* out) {
   const int64_t src = row[kSrc], dst = row[kDst];
   const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
-  if (std::string err = Take(Key(src, fs, fd), row[kAmount],
+  if (std::string err = Take(Key(src, fs, fd), rows,
                              row[kStage] == 0, phase, src, fs, fd);
       !err.empty()) {
     return err;
@@ -254,8 +301,8 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
   std::string err;
   RunStages(
       schedule, stages_,
-      [&](const int64_t* row, int64_t phase) {
-        err = Apply(row, phase, out);
+      [&](const int64_t* row, int64_t phase, int64_t, int64_t rows) {
+        err = Apply(row, phase, rows, out);
         return err.empty();
       },
       [&](int k, int64_t phase) {
@@ -377,8 +424,9 @@ std::string RankPlanner::Plan(const int64_t* traffic,
   error_.clear();
   if (!RunStages(
           schedule, stages_,
-          [&](const int64_t* row, int64_t phase) {
-            return Apply(row, phase, out);
+          [&](const int64_t* row, int64_t phase, int64_t first,
+              int64_t rows) {
+            return Apply(row, phase, first, rows, out);
           },
           [&](int k, int64_t phase) {
             return Balance(schedule, k, phase, out);
@@ -582,15 +630,34 @@ bool RankPlanner::Fail(std::string why) {
   return false;
 }
 
-bool RankPlanner::Apply(const int64_t* row, int64_t phase, RankProgram* out) {
+bool RankPlanner::Apply(const int64_t* row, int64_t phase, int64_t first,
+                        int64_t rows, RankProgram* out) {
   if (phase >= out->num_phases()) {
     return Fail("has a row in phase " + std::to_string(phase) + " of " +
                 std::to_string(out->num_phases()));
   }
+  if (row[kStage] == 1) return Intra(row, phase, first, rows, out);
   if (row[kSrc] == rank_) return Send(row, phase, out);
   if (row[kDst] == rank_) return Receive(row, phase, out);
   return Fail("has a row of GPUs " + std::to_string(row[kSrc]) + " -> " +
               std::to_string(row[kDst]));
+}
+
+// Rows [first, first + rows) of an intra-server flow, x to out.
+bool RankPlanner::Intra(const int64_t* row, int64_t phase, int64_t first,
+                        int64_t rows, RankProgram* out) {
+  const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
+  if (fs == rank_ && row[kSrc] == rank_) {
+    Push(RankOpKind::kSend, fd, rows, kBufX, send_off_[fd] + first, kNotMine,
+         kNotMine, phase, out);
+    return true;
+  }
+  if (fd == rank_ && row[kDst] == rank_) {
+    Push(RankOpKind::kRecv, fs, rows, kNotMine, kNotMine, kBufOut,
+         recv_off_[fs] + first, phase, out);
+    return true;
+  }
+  return Fail("has intra-server rows of flow " + FlowText(fs, fd));
 }
 
 bool RankPlanner::Send(const int64_t* row, int64_t phase, RankProgram* out) {
@@ -601,12 +668,6 @@ bool RankPlanner::Send(const int64_t* row, int64_t phase, RankProgram* out) {
                 FlowText(fs, fd) + " in phase " + std::to_string(phase) +
                 " that it does not hold next");
   };
-  if (stage == 1) {  // the intra-server part sends the whole flow
-    if (fs != rank_) return lost();
-    Push(RankOpKind::kSend, peer, rows, kBufX, send_off_[fd], kNotMine,
-         kNotMine, phase, out);
-    return true;
-  }
   if (stage % 2 == 0) {
     if (fs == rank_) {  // its own flow, from the first rows not yet sent
       if (sent_[fd] + rows + given_[fd] > traffic_[rank_ * g_ + fd]) {
@@ -647,13 +708,10 @@ bool RankPlanner::Receive(const int64_t* row, int64_t phase,
   const int64_t stage = row[kStage], peer = row[kSrc], rows = row[kAmount];
   const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
   const bool scale_out = stage >= 2 && stage % 2 == 0;
-  if (fd == rank_ && stage != 0) {
-    int64_t first = 0;  // the intra-server part brings the whole flow
-    if (stage >= 2) {
-      int64_t& next = lane_row_[fs * m_ + lane_of_[peer]];
-      first = next;
-      next += rows;
-    }
+  if (fd == rank_ && stage >= 2) {
+    int64_t& next = lane_row_[fs * m_ + lane_of_[peer]];
+    const int64_t first = next;
+    next += rows;
     Push(RankOpKind::kRecv, peer, rows, kNotMine, kNotMine, kBufOut,
          recv_off_[fs] + first, phase, out);
     return true;

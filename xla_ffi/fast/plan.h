@@ -5,8 +5,9 @@
 // transfer becomes ops that move one contiguous row range of one flow
 // between buffers (x -> out / ws, ws -> out / ws), grouped into phases that
 // may run concurrently (phase 0: local copies and balancing; phase k + 1:
-// scale-out of Birkhoff-von Neumann stage k, redistribution of stage k - 1,
-// and in phase 1 the intra-server part).  Relayed rows are bump-allocated
+// scale-out of Birkhoff-von Neumann stage k, stage k's share of the
+// intra-server part, redistribution of stage k - 1, balancing of stage
+// k + 1).  Relayed rows are bump-allocated
 // in a per-GPU workspace and never overwritten.
 //
 // ExtractRankProgram selects what one rank issues from the whole plan;
@@ -75,7 +76,10 @@ class ExecutionPlanner {
   void Add(uint64_t key, const Segment& s);
   std::string Take(uint64_t key, int64_t amount, bool from_tail, int64_t phase,
                    int64_t gpu, int64_t fs, int64_t fd);
-  std::string Apply(const int64_t* row, int64_t phase, ExecutionPlan* out);
+  // `rows` of the row's units (fewer for a stage's share of an
+  // intra-server flow).
+  std::string Apply(const int64_t* row, int64_t phase, int64_t rows,
+                    ExecutionPlan* out);
   std::string Balance(const FastSchedule& schedule, int k, int64_t phase,
                       ExecutionPlan* out);
   struct Range {
@@ -163,8 +167,11 @@ class RankPlanner {
   void GiverChunks(const FastSchedule& schedule);
   bool Balance(const FastSchedule& schedule, int k, int64_t phase,
                RankProgram* out);
-  // Apply, Send and Receive return false after Fail set error_.
-  bool Apply(const int64_t* row, int64_t phase, RankProgram* out);
+  // Apply, Intra, Send and Receive return false after Fail set error_.
+  bool Apply(const int64_t* row, int64_t phase, int64_t first, int64_t rows,
+             RankProgram* out);
+  bool Intra(const int64_t* row, int64_t phase, int64_t first, int64_t rows,
+             RankProgram* out);
   bool Send(const int64_t* row, int64_t phase, RankProgram* out);
   bool Receive(const int64_t* row, int64_t phase, RankProgram* out);
   bool Fail(std::string why);

@@ -280,8 +280,10 @@ bool FastScheduler::Decompose(FastSchedule* out) {
 
 // Runs the BvN stages in reference.stage_order's order: the stage with
 // the fewest real units (largest over servers, in decomposition order)
-// first, the others by descending size (stable), then recomputes the real
-// units in that order (a pair's units first, its padding last).
+// first, the others by descending size (stable); the stage run second is
+// split into three parts of growing weight (reference.split_second_stage),
+// then the real units are recomputed in that order (a pair's units first,
+// its padding last).
 void FastScheduler::OrderStages(FastSchedule* out) {
   const int n = n_, s = out->num_stages;
   if (s <= 1) return;
@@ -304,11 +306,35 @@ void FastScheduler::OrderStages(FastSchedule* out) {
   scratch_match_.assign(out->matchings.begin(), out->matchings.begin() + sn);
   scratch_inv_.assign(inverse_.begin(), inverse_.begin() + sn);
   scratch_w_.assign(out->weights.begin(), out->weights.begin() + s);
-  real_left_.assign(out->server.begin(), out->server.end());
+  // Parts (stage, weight) in run order.
+  parts_.clear();
   for (int i = 0; i < s; ++i) {
-    const size_t src = static_cast<size_t>(order_[i]) * n;
-    const size_t dst = static_cast<size_t>(i) * n;
     const int64_t w = scratch_w_[order_[i]];
+    if (i != 1) {
+      parts_.push_back({order_[i], w});
+      continue;
+    }
+    int64_t done = 0;
+    for (int64_t upto : {kSplitCum[0], kSplitCum[1], kSplitCum[2]}) {
+      int64_t to = static_cast<int64_t>(static_cast<__int128>(w) * upto /
+                                        kSplitCum[2]);
+      if (upto != kSplitCum[2]) to -= to % m_;
+      if (to > done) parts_.push_back({order_[i], to - done});
+      done = to;
+    }
+  }
+  const int s2 = static_cast<int>(parts_.size());
+  const size_t sn2 = static_cast<size_t>(s2) * n;
+  GrowTo(&inverse_, sn2);
+  out->matchings.resize(sn2);
+  out->real.resize(sn2);
+  out->weights.resize(s2);
+  out->num_stages = s2;
+  real_left_.assign(out->server.begin(), out->server.end());
+  for (int i = 0; i < s2; ++i) {
+    const size_t src = static_cast<size_t>(parts_[i].stage) * n;
+    const size_t dst = static_cast<size_t>(i) * n;
+    const int64_t w = parts_[i].weight;
     out->weights[i] = w;
     for (int u = 0; u < n; ++u) {
       const int64_t v = scratch_match_[src + u];

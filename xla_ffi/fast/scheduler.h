@@ -195,6 +195,15 @@ class FastScheduler {
   std::vector<int> match_row_, match_col_, prev_, queue_, freed_;
   std::vector<int64_t> order_size_, scratch_match_, scratch_w_;
   std::vector<int> order_;
+  // The second stage runs in parts of cumulative weight kSplitCum[i] /
+  // kSplitCum[2] (10 : 13 : 17), so each part's balancing overlaps the
+  // previous part's scale-out.
+  static constexpr int64_t kSplitCum[3] = {10, 23, 40};
+  struct Part {
+    int stage;
+    int64_t weight;
+  };
+  std::vector<Part> parts_;
   std::vector<int32_t> scratch_inv_;
   std::vector<int32_t> inverse_;    // [S * n] server sending to b in stage k
   int words_ = 0;                   // 64-bit words per bitset row

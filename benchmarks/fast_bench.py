@@ -53,6 +53,9 @@ flags.DEFINE_integer("whole_plan_max_gpus", 96,
                      "Largest GPU count at which the rank program is also "
                      "timed through the whole plan (slow above).")
 flags.DEFINE_integer("matrices", 5, "Fresh matrices per runtime configuration.")
+flags.DEFINE_integer("distinct_matrices", 30,
+                     "Matrices per runtime configuration for the full "
+                     "schedule timed once per matrix (warm and cold).")
 flags.DEFINE_float("seconds_per_config", 1.5,
                    "Approximate timing budget per runtime configuration.")
 flags.DEFINE_integer("max_repeats", 2000, "Most timed runs per matrix.")
@@ -140,6 +143,14 @@ def run_runtime(rng):
             lambda t, k: cpp.time_rank_program(t, n, m, 0, k, per_rank=False))
       for mode, timer in timers.items():
         row[mode] = _time(timer, mats)
+      each = [_workload(rng, kind, g, 1000.0)
+              for _ in range(FLAGS.distinct_matrices)]
+      for mode, buffers in (("full_distinct", "warm"), ("full_cold", "cold"),
+                            ("full_new", "new")):
+        samples = cpp.time_schedule_each(each, n, m, buffers=buffers) / 1e3
+        row[mode] = dict(median_us=float(np.median(samples)),
+                         p90_us=float(np.percentile(samples, 90)),
+                         runs=int(samples.size))
       d = cpp.schedule_arrays(mats[0], n, m, True)
       row["bvn_stages"] = int(d["weights"].shape[0])
       row["transfers"] = int(d["transfers"].shape[0] +
@@ -148,7 +159,10 @@ def run_runtime(rng):
       print(f"runtime G={g} {kind}: server-level "
             f"{row['server_level']['median_us']:.1f} us, per-GPU "
             f"{row['per_gpu']['median_us']:.1f} us, full "
-            f"{row['full']['median_us']:.1f} us, rank program "
+            f"{row['full']['median_us']:.1f} us (distinct matrices "
+            f"{row['full_distinct']['median_us']:.1f}, cold "
+            f"{row['full_cold']['median_us']:.1f}, new buffers "
+            f"{row['full_new']['median_us']:.1f}), rank program "
             f"{row['rank_program']['median_us']:.1f} us, paper "
             f"{row['paper_us']}",
             flush=True)
@@ -176,7 +190,14 @@ def write_runtime(results, meta):
            "the flow-level transfers GPU 0 sends or receives (what one rank "
            "executes; each rank computes its own); `full`: every transfer of "
            "every GPU (balance, intra, scale-out, redistribution) with its "
-           "original (src, dst) flow",
+           "original (src, dst) flow; `full, distinct`: the full schedule "
+           f"once on each of {FLAGS.distinct_matrices} other matrices, one "
+           "scheduler reused (no matrix seen twice, so no branch history "
+           "of an earlier run on the same matrix); `full, cold`: the same "
+           "after 64 MiB of other writes before each call (cold caches); "
+           "`full, new buffers`: a new scheduler and output per call after "
+           "those writes (their buffers allocated and first touched inside "
+           "the timed call); median of the calls",
            "- `rank program`: what the CUDA custom call computes per call on "
            "rank 0 (`StagedPlanner::BuildRank`: traffic check, rank 0's "
            "per-GPU schedule, its program; buffers that just hold the "
@@ -188,11 +209,13 @@ def write_runtime(results, meta):
            "8468; its 16-GPU number is from the SyCCL comparison", "",
            "| GPUs | workload | BvN stages | transfers (all GPUs) | "
            "server-level (us) | per-GPU (us) | full (us) | full p90 (us) | "
+           "full, distinct (us) | full, cold (us) | full, new buffers (us) | "
            "rank program (us) | rank program, whole plan (us) | "
            "paper (us) | paper / server-level | paper / per-GPU | "
-           "paper / full |",
+           "paper / full | paper / full, distinct | paper / full, cold | "
+           "paper / full, new buffers | paper / whole plan |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-           "| --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in results:
     p = r["paper_us"]
     sl, pg, fu = (r[k]["median_us"] for k in ("server_level", "per_gpu",
@@ -203,13 +226,18 @@ def write_runtime(results, meta):
 
     whole = r.get("rank_program_whole_plan")
     whole_us = "—" if whole is None else f"{whole['median_us']:.1f}"
+    fd, fc, fn = (r[k]["median_us"]
+                  for k in ("full_distinct", "full_cold", "full_new"))
     lines.append(
         f"| {r['gpus']} | {r['workload']} | {r['bvn_stages']} | "
         f"{r['transfers']} | {sl:.1f} | {pg:.1f} | {fu:.1f} | "
-        f"{r['full']['p90_us']:.1f} | {r['rank_program']['median_us']:.1f} | "
+        f"{r['full']['p90_us']:.1f} | {fd:.1f} | {fc:.1f} | {fn:.1f} | "
+        f"{r['rank_program']['median_us']:.1f} | "
         f"{whole_us} | "
         f"{'—' if p is None else p} | "
-        f"{ratio(sl)} | {ratio(pg)} | {ratio(fu)} |")
+        f"{ratio(sl)} | {ratio(pg)} | {ratio(fu)} | {ratio(fd)} | "
+        f"{ratio(fc)} | {ratio(fn)} | "
+        f"{'—' if whole is None else ratio(whole['median_us'])} |")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
 

@@ -55,6 +55,12 @@ def test_cpp_reuses_buffers_across_sizes():
     _same(ref.fast_schedule(t, n, m), cpp.fast_schedule(t, n, m))
   ns = cpp.time_schedule(t, 4, 8, repeats=3)
   assert ns.shape == (3,) and (ns > 0).all()
+  mats = [workloads.uniform_matrix(rng, 32, 100) for _ in range(3)]
+  for buffers in ("warm", "cold", "new"):
+    ns = cpp.time_schedule_each(mats, 4, 8, buffers=buffers)
+    assert ns.shape == (3,) and (ns > 0).all()
+  with pytest.raises(ValueError, match="buffers"):
+    cpp.time_schedule_each(mats, 4, 8, buffers="hot")
 
 
 def test_cpp_large_delivery():

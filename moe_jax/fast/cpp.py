@@ -69,6 +69,24 @@ def time_schedule(traffic, num_servers: int, gpus_per_server: int,
                                   with_transfers, int(gpu))
 
 
+def time_schedule_each(traffics, num_servers: int, gpus_per_server: int,
+                       with_transfers: bool = True, gpu: int = -1,
+                       buffers: str = "warm") -> np.ndarray:
+  """float64[K]: C++ wall time (ns) of one scheduler run on each of the K
+  matrices ``traffics`` [K, G, G].  ``buffers``: ``"warm"`` one scheduler
+  reused; ``"cold"`` the same after 64 MiB of other writes before each
+  run (cold caches); ``"new"`` a new scheduler and output per run after
+  those writes (allocated and first touched inside the run)."""
+  modes = ("warm", "cold", "new")
+  if buffers not in modes:
+    raise ValueError(f"buffers must be one of {modes}, got {buffers!r}")
+  ts = np.stack([ref._check_traffic(t, num_servers, gpus_per_server)
+                 for t in traffics])
+  return _require().time_schedule_each(
+      np.ascontiguousarray(ts), int(num_servers), int(gpus_per_server),
+      with_transfers, int(gpu), modes.index(buffers))
+
+
 def spreadout_time(matrix) -> int:
   x = np.ascontiguousarray(np.asarray(matrix, np.int64))
   if x.ndim != 2 or x.shape[0] != x.shape[1]:

@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <cstdlib>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -27,6 +29,8 @@ using Matrix = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig,
                            nb::device::cpu>;
 using Rows = nb::ndarray<const uint8_t, nb::ndim<3>, nb::c_contig,
                          nb::device::cpu>;
+using Matrices = nb::ndarray<const int64_t, nb::ndim<3>, nb::c_contig,
+                             nb::device::cpu>;
 
 nb::object ToNumpy(moe_jax::fast::RowBuffer&& v, std::vector<size_t> shape) {
   int64_t* data = v.Release();
@@ -193,6 +197,54 @@ NB_MODULE(_fast, m) {
       nb::arg("gpu") = -1,
       "Runs the scheduler `repeats` times (buffers reused, as in a serving "
       "loop); returns the wall time of each run in nanoseconds.");
+  m.def(
+      "time_schedule_each",
+      [](Matrices traffics, int num_servers, int gpus_per_server,
+         bool with_transfers, int64_t gpu, int buffers) {
+        const size_t g = static_cast<size_t>(num_servers) * gpus_per_server;
+        if (num_servers < 1 || gpus_per_server < 1 ||
+            traffics.shape(1) != g || traffics.shape(2) != g) {
+          throw nb::value_error("traffics must be [K, G, G], G = n * M");
+        }
+        if (buffers < 0 || buffers > 2) {
+          throw nb::value_error("buffers must be 0 (warm), 1 (cold caches) "
+                                "or 2 (new buffers)");
+        }
+        const size_t k = traffics.shape(0);
+        std::vector<double> ns(k);
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          // Written between calls (buffers >= 1): evicts the previous
+          // call's data from the caches.
+          std::vector<int64_t> evict(buffers ? (size_t{64} << 20) / 8 : 0);
+          auto sched = std::make_unique<FastScheduler>();
+          auto out = std::make_unique<FastSchedule>();
+          for (size_t i = 0; i < k && err.empty(); ++i) {
+            const int64_t* t = traffics.data() + i * g * g;
+            if (buffers == 2) {
+              sched = std::make_unique<FastScheduler>();
+              out = std::make_unique<FastSchedule>();
+            }
+            for (size_t j = 0; j < evict.size(); j += 8) evict[j] += 1;
+            const auto t0 = std::chrono::steady_clock::now();
+            err = sched->Schedule(t, num_servers, gpus_per_server,
+                                  with_transfers, out.get(), gpu);
+            const auto t1 = std::chrono::steady_clock::now();
+            ns[i] = std::chrono::duration<double, std::nano>(t1 - t0).count();
+          }
+        }
+        if (!err.empty()) throw nb::value_error(err.c_str());
+        return ToNumpy(std::move(ns), {k});
+      },
+      nb::arg("traffics"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
+      nb::arg("with_transfers") = true, nb::arg("gpu") = -1,
+      nb::arg("buffers") = 0,
+      "Schedules each of K matrices once; returns each call's wall time in "
+      "nanoseconds.  buffers: 0 one scheduler reused (warm), 1 the same "
+      "after 64 MiB of other writes before each call (cold caches), 2 a "
+      "new scheduler and output per call after those writes (its buffers "
+      "allocated and first touched inside the timed call).");
   m.def(
       "spreadout_time",
       [](Matrix x) {

@@ -91,10 +91,10 @@ struct PlainSpec {
 
 // out = silu(gate) * up per group from A @ B with B's columns in gate/up
 // blocks (SwiGLUEpilogueArray), stored from registers.
-template <class ElementIn, class Config = TileConfig>
+template <class ElementIn, class Config = TileConfig, bool kPreciseSilu = false>
 struct SwiGLUSpec {
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      SwiGLUEpilogueArray<ElementIn>>;
+      SwiGLUEpilogueArray<ElementIn, kPreciseSilu>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<
       ProblemShape,
       Mainloop<ElementIn, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, 0>,

@@ -50,7 +50,7 @@ __global__ void FillRandom(uint16_t* p, int64_t n, uint32_t seed, float scale) {
 std::vector<gg::TuneEntry> Configs() {
   return {gg::TuneConfigAt<0>(), gg::TuneConfigAt<1>(), gg::TuneConfigAt<2>(),
           gg::TuneConfigAt<3>(), gg::TuneConfigAt<4>(), gg::TuneConfigAt<5>(),
-          gg::TuneConfigAt<6>(), gg::TuneConfigAt<7>()};
+          gg::TuneConfigAt<6>(), gg::TuneConfigAt<7>(), gg::TuneConfigAt<8>()};
 }
 
 std::vector<int32_t> SkewedSizes(int64_t rows, int groups, uint32_t seed) {

@@ -11,7 +11,7 @@
 
 namespace moe_jax::cuda::grouped_gemm {
 
-inline constexpr int kTuneConfigs = 8;
+inline constexpr int kTuneConfigs = 9;
 
 struct TuneEntry {
   std::string name;

@@ -25,9 +25,12 @@ using Config = TileConfigT<128, 256, 64, 1, 2, false>;
 using Config = TileConfigT<64, 256, 64, 1, 1, true>;
 #elif MOE_JAX_TUNE_CONFIG == 7
 using Config = TileConfigT<128, 128, 64, 1, 1, false>;
+#elif MOE_JAX_TUNE_CONFIG == 8  // the default tile with IEEE division and expf in the SwiGLU
+using Config = TileConfigT<128, 256, 64, 1, 1, false>;
 #else
-#error "MOE_JAX_TUNE_CONFIG must be 0..7"
+#error "MOE_JAX_TUNE_CONFIG must be 0..8"
 #endif
+constexpr bool kPreciseSilu = MOE_JAX_TUNE_CONFIG == 8;
 
 #define MOE_JAX_STR2(x) #x
 #define MOE_JAX_STR(x) MOE_JAX_STR2(x)
@@ -36,7 +39,7 @@ std::string Run(const GroupedGemmArgs& args, cudaStream_t stream, int device, in
   using T = cutlass::bfloat16_t;
   using Row = cutlass::layout::RowMajor;
   if (args.op == GroupedGemmOp::kForwardSwiGLU) {
-    return RunGroupedGemm<SwiGLUSpec<T, Config>, T, T>(args, stream, device, sm_count);
+    return RunGroupedGemm<SwiGLUSpec<T, Config, kPreciseSilu>, T, T>(args, stream, device, sm_count);
   }
   return RunGroupedGemm<PlainSpec<T, T, Row, Row, Config>, T, T>(args, stream, device, sm_count);
 }
@@ -54,7 +57,8 @@ TuneEntry TuneConfigAt<MOE_JAX_TUNE_CONFIG>() {
                      std::to_string(cute::size<2>(Tile{})) + " cluster " +
                      std::to_string(cute::size<0>(Cluster{})) + "x" +
                      std::to_string(cute::size<1>(Cluster{})) +
-                     (pingpong ? " ping-pong" : " cooperative");
+                     (pingpong ? " ping-pong" : " cooperative") +
+                     (kPreciseSilu ? " precise-silu" : "");
   return {name, &Run};
 }
 

@@ -494,7 +494,7 @@ def test_nnx_module_with_placement_follows_a_rebalance():
     mesh = mesh_of(ranks)
     config = CONFIG.replace(strategy="cap_and_spill", transport="lax")
     layer = moe_nnx.MoE(config, mesh=mesh, rngs=nnx.Rngs(0),
-                        placement=Placement.default(E, ranks, 3))
+                        placement=Placement.default(E, ranks, 3), replica_choice="balanced")
     layer.router[...] = params.router
     reb = Rebalancer(E, ranks, 3, placement=Placement.default(E, ranks, 3))
     dense = moe_nnx.MoE(CONFIG.replace(strategy="dense"), rngs=nnx.Rngs(1))

@@ -21,6 +21,7 @@ class MoE(nn.Module):
     Attributes:
       config: MoEConfig (validated when built).
       mesh: mesh holding config.expert_axis (not needed for "dense").
+      replica_choice: "local" or "balanced" (see moe_layer), with a placement.
 
     Call: x [..., H], placement=None -> [..., H] in config.dtype. Parameters:
     "router" [H, E], "w_gate_up" [E, H, 2F] (gate and up fused, see
@@ -38,6 +39,7 @@ class MoE(nn.Module):
 
     config: MoEConfig
     mesh: jax.sharding.Mesh | None = None
+    replica_choice: str = "local"
 
     @nn.compact
     def __call__(self, x: jax.Array, placement: PlacementArrays | None = None) -> jax.Array:
@@ -55,7 +57,7 @@ class MoE(nn.Module):
                        cfg.param_dtype),
             self.param("w_down", part(expert_init), (slots, ffn, hidden), cfg.param_dtype))
         y, aux = moe_layer(MoEParams(router, bias, weights), x, cfg, self.mesh,
-                           placement=placement)
+                           placement=placement, replica_choice=self.replica_choice)
         self.sow("losses", "moe_aux_loss", aux.weighted_loss(cfg))
         if self.is_mutable_collection("moe_stats") and not self.is_initializing():
             stats = self.variable("moe_stats", "dispatch", DispatchStats.zeros)

@@ -40,6 +40,7 @@ class MoE(nnx.Module):
         copies initialized alike, and `placement` (a MoEPlacement variable)
         holds its arrays; after a rebalance, assign the moved weights and
         `set_placement` the new one. None: [E, ...] weights.
+      replica_choice: "local" or "balanced" (see moe_layer), with a placement.
 
     Call: x [..., H] -> [..., H] in config.dtype. After a call, `aux_loss`
     holds the weighted auxiliary loss, `stats` the accumulated DispatchStats,
@@ -48,9 +49,11 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, config: MoEConfig, *, mesh: jax.sharding.Mesh | None = None,
-                 rngs: nnx.Rngs, placement: Placement | None = None):
+                 rngs: nnx.Rngs, placement: Placement | None = None,
+                 replica_choice: str = "local"):
         self.config = config
         self.mesh = mesh
+        self.replica_choice = replica_choice
         hidden, ffn, experts = config.hidden_size, config.ffn_size, config.num_experts
         dtype = config.param_dtype
         axis = expert_axis_or_none(config)
@@ -84,7 +87,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         placement = None if self.placement is None else self.placement.get_value()
-        y, aux = moe_layer(self.params(), x, self.config, self.mesh, placement=placement)
+        y, aux = moe_layer(self.params(), x, self.config, self.mesh, placement=placement,
+                           replica_choice=self.replica_choice)
         self.aux_loss[...] = aux.weighted_loss(self.config)
         self.expert_rows[...] = aux.expert_rows
         self.stats.set_value(self.stats.get_value() + aux.stats)

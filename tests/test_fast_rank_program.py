@@ -4,12 +4,12 @@ that rank's part of the whole plan, op for op and field for field."""
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 
 from moe_jax.fast import cpp
 from moe_jax.fast import plan as pl
 from moe_jax.fast import workloads
-from fast_testing import expected_out, rank_program_cases
+from fast_testing import expected_out, rank_program_cases, traffic_cases
 
 pytestmark = pytest.mark.skipif(not cpp.available(),
                                 reason="moe_jax._fast not built")
@@ -65,8 +65,9 @@ def test_program_fields():
 
 
 def test_simulation_with_a_workspace_below_the_bound():
-  # Below the proven bound every rank plans the whole schedule, so a
-  # workspace that fits the plan works and one row less fails everywhere.
+  # Below the proven bound every rank sums every GPU's workspace use from
+  # the full schedule, so a workspace that fits the plan works and one row
+  # less fails everywhere.
   rng = np.random.default_rng(2)
   t = workloads.zipf_matrix(rng, 8, 0.9, mean=20)
   rows_in, rows_out = int(t.sum(1).max()), int(t.sum(0).max())
@@ -77,6 +78,26 @@ def test_simulation_with_a_workspace_below_the_bound():
   np.testing.assert_array_equal(out, expected_out(t, x, rows_out))
   with pytest.raises(ValueError, match="workspace rows"):
     cpp.simulate_execution(t, 2, 4, x, rows_out, need - 1)
+  ns = cpp.time_rank_program(t, 2, 4, 1, repeats=2, below_bound=True)
+  assert ns.shape == (2,) and (ns > 0).all()
+
+
+@given(traffic_cases())
+@settings(deadline=None)
+def test_workspace_check_below_the_bound_matches_the_plan(case):
+  # The workspace the whole plan uses on its busiest GPU is exactly what
+  # the check below the bound requires: it passes, one row less fails
+  # with the error naming that GPU's need.
+  t, n, m = case
+  need = int(cpp.execution_plan(t, n, m).workspace_used.max(initial=0))
+  rows_in = max(int(t.sum(1).max()), 1)
+  rows_out = max(int(t.sum(0).max()), 1)
+  if need == 0 or need >= pl.workspace_rows(rows_in, rows_out, n, m):
+    return
+  x = np.zeros((n * m, rows_in, 1), np.uint8)
+  cpp.simulate_execution(t, n, m, x, rows_out, need)
+  with pytest.raises(ValueError, match=f"needs {need} workspace rows"):
+    cpp.simulate_execution(t, n, m, x, rows_out, need - 1)
 
 
 def test_rank_out_of_range():

@@ -124,17 +124,19 @@ def rank_program(traffic, num_servers: int, gpus_per_server: int, rank: int,
 
 
 def time_rank_program(traffic, num_servers: int, gpus_per_server: int,
-                      rank: int, repeats: int,
-                      per_rank: bool = True) -> np.ndarray:
+                      rank: int, repeats: int, per_rank: bool = True,
+                      below_bound: bool = False) -> np.ndarray:
   """float64[repeats]: C++ wall time (ns) of what the custom call computes
   per call on ``rank``: traffic check, schedule, plan and the rank's
   program, with buffers that just fit the traffic and the default
-  workspace; from the rank's per-GPU schedule (``per_rank``) or the whole
-  plan."""
+  workspace (``below_bound``: one row less, where every rank checks every
+  rank's workspace use); from the rank's per-GPU schedule (``per_rank``)
+  or the whole plan."""
   t = ref._check_traffic(traffic, num_servers, gpus_per_server)
   return _require().time_rank_program(np.ascontiguousarray(t),
                                       int(num_servers), int(gpus_per_server),
-                                      int(rank), int(repeats), bool(per_rank))
+                                      int(rank), int(repeats), bool(per_rank),
+                                      bool(below_bound))
 
 
 def simulate_execution(traffic, num_servers: int, gpus_per_server: int, x,

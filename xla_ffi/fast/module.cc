@@ -122,9 +122,12 @@ std::pair<int64_t, int64_t> FittingRows(const Matrix& traffic) {
 std::string TimedRankProgram(const Matrix& traffic, int num_servers,
                              int gpus_per_server, int rank, bool per_rank,
                              int64_t rows_in, int64_t rows_out,
+                             bool below_bound,
                              moe_jax::fast::RankProgram* out) {
-  const int64_t ws_rows = moe_jax::fast::WorkspaceBound(
-      rows_in, rows_out, num_servers, gpus_per_server);
+  const int64_t ws_rows =
+      moe_jax::fast::WorkspaceBound(rows_in, rows_out, num_servers,
+                                    gpus_per_server) -
+      (below_bound ? 1 : 0);
   return ProgramWith(traffic, num_servers, gpus_per_server, rank, per_rank,
                      rows_in, rows_out, ws_rows, out);
 }
@@ -321,7 +324,7 @@ NB_MODULE(_fast, m) {
   m.def(
       "time_rank_program",
       [](Matrix traffic, int num_servers, int gpus_per_server, int rank,
-         int repeats, bool per_rank) {
+         int repeats, bool per_rank, bool below_bound) {
         CheckShape(traffic, num_servers, gpus_per_server);
         if (repeats < 1) throw nb::value_error("repeats must be >= 1");
         std::vector<double> ns(repeats);
@@ -333,7 +336,8 @@ NB_MODULE(_fast, m) {
           for (int r = 0; r < repeats && err.empty(); ++r) {
             const auto t0 = std::chrono::steady_clock::now();
             err = TimedRankProgram(traffic, num_servers, gpus_per_server, rank,
-                                   per_rank, rows_in, rows_out, &prog);
+                                   per_rank, rows_in, rows_out, below_bound,
+                                   &prog);
             const auto t1 = std::chrono::steady_clock::now();
             ns[r] = std::chrono::duration<double, std::nano>(t1 - t0).count();
           }
@@ -343,6 +347,7 @@ NB_MODULE(_fast, m) {
       },
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       nb::arg("rank"), nb::arg("repeats"), nb::arg("per_rank") = true,
+      nb::arg("below_bound") = false,
       "Wall time (ns) of each of `repeats` runs of what the custom call "
       "computes per call on `rank` (traffic check, schedule, plan, the "
       "rank's program; buffers fit the traffic, default workspace): from "

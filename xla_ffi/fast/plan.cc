@@ -45,14 +45,18 @@ std::string IndexStages(const FastSchedule& schedule, StageIndex* index) {
 class IntraCuts {
  public:
   explicit IntraCuts(const FastSchedule& schedule)
-    : schedule_(schedule),
-          carriers_(std::min(schedule.num_stages, 2 * schedule.num_servers)) {
+      : schedule_(schedule),
+        carriers_(std::min(schedule.num_stages, 2 * schedule.num_servers)) {
     for (int k = 0; k < carriers_; ++k) total_ += Size(k);
   }
   void At(int k) {
     lo_ = hi_;
     if (k < carriers_) hi_ += Size(k);
     first_ = k == 0;
+  }
+  // Whether stage k (after At(k)) carries any of the intra-server part.
+  bool Carries(int k) const {
+    return total_ == 0 ? k == 0 : k < carriers_;
   }
   int64_t Lo(int64_t amount) const { return Cut(amount, lo_, !first_); }
   int64_t Hi(int64_t amount) const { return Cut(amount, hi_, true); }
@@ -66,8 +70,12 @@ class IntraCuts {
   // Rows before cumulative size `cum`; without sizes all go in stage 0.
   int64_t Cut(int64_t amount, int64_t cum, bool after_first) const {
     if (total_ == 0) return after_first ? amount : 0;
+    int64_t product;
+    if (!__builtin_mul_overflow(amount, cum, &product)) {
+      return product / total_;
+    }
     return static_cast<int64_t>(static_cast<__int128>(amount) * cum /
-                                    total_);
+                                total_);
   }
 
   const FastSchedule& schedule_;
@@ -108,7 +116,8 @@ bool RunStages(const FastSchedule& schedule, const StageIndex& index,
     const int64_t phase = k + 1;
     if (!run(2 + 2 * static_cast<int64_t>(k), phase)) return false;
     cuts.At(k);
-    for (int64_t i = index.begin[1]; i < index.end[1]; ++i) {
+    for (int64_t i = index.begin[1]; cuts.Carries(k) && i < index.end[1];
+         ++i) {
       const int64_t* row = tr + i * kTransferCols;
       const int64_t lo = cuts.Lo(row[kAmount]), hi = cuts.Hi(row[kAmount]);
       if (hi > lo && !apply(row, phase, lo, hi - lo)) return false;
@@ -843,8 +852,8 @@ PlanStatus StagedPlanner::BuildRankOwned(int num_servers, int gpus_per_server,
   }
   if (ws_rows < WorkspaceBound(rows_in, rows_out, num_servers,
                                gpus_per_server)) {
-    if (PlanStatus s = WholePlanForRank(num_servers, gpus_per_server, ws_rows,
-                                        rank, out);
+    if (PlanStatus s =
+            CheckedRank(num_servers, gpus_per_server, ws_rows, rank, out);
         !s.ok()) {
       return s;
     }
@@ -868,29 +877,56 @@ PlanStatus StagedPlanner::BuildRankOwned(int num_servers, int gpus_per_server,
   return {};
 }
 
-PlanStatus StagedPlanner::WholePlanForRank(int num_servers,
-                                           int gpus_per_server,
-                                           int64_t ws_rows, int rank,
-                                           RankProgram* out) {
+// Workspace rows each GPU's plan uses: what it relays (the balancing rows
+// it receives, the scale-out rows it receives for another GPU), which is
+// bump-allocated and never reused, so their sum.
+void WorkspaceUse(const FastSchedule& schedule, std::vector<int64_t>* use) {
+  const int64_t g =
+      static_cast<int64_t>(schedule.num_servers) * schedule.gpus_per_server;
+  use->assign(g, 0);
+  const int64_t* r = schedule.transfers.data();
+  const int64_t k =
+      static_cast<int64_t>(schedule.transfers.size()) / kTransferCols;
+  for (int64_t i = 0; i < k; ++i, r += kTransferCols) {
+    const int64_t st = r[kStage];
+    if (st == 0 || (st >= 2 && r[kDst] != r[kFlowDst])) {
+      (*use)[r[kDst]] += r[kAmount];
+    }
+  }
+}
+
+// Below the proven bound a rank cannot know from its own part whether
+// every rank fits, so every rank schedules every GPU's rows and checks each
+// GPU's workspace use; then plans its own program as above.
+PlanStatus StagedPlanner::CheckedRank(int num_servers, int gpus_per_server,
+                                      int64_t ws_rows, int rank,
+                                      RankProgram* out) {
   if (std::string err = scheduler_.Schedule(traffic_.data(), num_servers,
                                             gpus_per_server, true, &schedule_);
       !err.empty()) {
     return {PlanFailure::kTraffic, err};
   }
-  if (std::string err = planner_.Plan(traffic_.data(), schedule_, &plan_);
-      !err.empty()) {
-    return {PlanFailure::kInternal, err};
-  }
-  for (size_t g = 0; g < plan_.workspace_used.size(); ++g) {
-    if (plan_.workspace_used[g] > ws_rows) {
+  WorkspaceUse(schedule_, &use_);
+  for (size_t g = 0; g < use_.size(); ++g) {
+    if (use_[g] > ws_rows) {
       return {PlanFailure::kWorkspace,
               "rank " + std::to_string(g) + " needs " +
-                  std::to_string(plan_.workspace_used[g]) +
+                  std::to_string(use_[g]) +
                   " workspace rows, the workspace has " +
                   std::to_string(ws_rows)};
     }
   }
-  ExtractRankProgram(plan_, traffic_.data(), rank, out);
+  if (std::string err =
+          scheduler_.Schedule(traffic_.data(), num_servers, gpus_per_server,
+                              true, &schedule_, rank);
+      !err.empty()) {
+    return {PlanFailure::kTraffic, err};
+  }
+  if (std::string err =
+          rank_planner_.Plan(traffic_.data(), schedule_, rank, out);
+      !err.empty()) {
+    return {PlanFailure::kInternal, err};
+  }
   return {};
 }
 

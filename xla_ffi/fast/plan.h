@@ -235,6 +235,10 @@ struct PlanStatus {
   bool ok() const { return failure == PlanFailure::kNone; }
 };
 
+// Workspace rows each GPU's plan uses (ExecutionPlan::workspace_used),
+// from a full schedule's rows alone.
+void WorkspaceUse(const FastSchedule& schedule, std::vector<int64_t>* use);
+
 // Traffic matrix -> one rank's program, with buffers kept between calls
 // (one per thread: the CUDA custom call keeps a thread_local one).
 class StagedPlanner {
@@ -243,8 +247,9 @@ class StagedPlanner {
   // the traffic check and the workspace decision use only what all ranks
   // share).  With ws_rows >= WorkspaceBound no rank can run out of
   // workspace, so only `rank`'s per-GPU schedule is built and planned
-  // (RankPlanner); a smaller workspace needs every rank's use, so the whole
-  // plan is built and fails on every rank when some rank needs more.
+  // (RankPlanner); a smaller workspace needs every rank's use, so every
+  // GPU's schedule rows are built and summed (WorkspaceUse), failing on
+  // every rank when some rank needs more, before the rank's own program.
   // traffic: row-major int32 or int64 [G * G], G = num_servers * M.
   template <typename Count>
   PlanStatus BuildRank(const Count* traffic, int num_servers,
@@ -284,14 +289,15 @@ class StagedPlanner {
   PlanStatus BuildRankOwned(int num_servers, int gpus_per_server,
                             int64_t rows_in, int64_t rows_out, int64_t ws_rows,
                             int rank, RankProgram* out);
-  PlanStatus WholePlanForRank(int num_servers, int gpus_per_server,
-                              int64_t ws_rows, int rank, RankProgram* out);
+  PlanStatus CheckedRank(int num_servers, int gpus_per_server,
+                         int64_t ws_rows, int rank, RankProgram* out);
   std::vector<int64_t> traffic_;
   FastScheduler scheduler_;
   FastSchedule schedule_;
   ExecutionPlanner planner_;
   ExecutionPlan plan_;
   RankPlanner rank_planner_;
+  std::vector<int64_t> use_;  // every GPU's workspace rows (CheckedRank)
 };
 
 }  // namespace moe_jax::fast

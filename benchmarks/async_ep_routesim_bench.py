@@ -21,8 +21,9 @@ Engines: sync (ideal barrier-synchronous), sync-repl (the same with the
 hottest expert of each block replicated), async-defrag (Algorithm 1),
 async-mtfs, async-flfs (the named baselines; only at points with at most
 --baseline_max_slots slots), async-hold (the cost-aware hold scheduler:
-whole waves, cheapest execution first; wave-aligned admission) and async-hold-2w (the same with each rank's slots in
-two wave groups that never share an execution, the second started half a
+whole waves, cheapest execution first; wave-aligned admission) and
+async-hold-<G>w for each G of --wave_groups (the same with each rank's slots
+in G wave groups that never share an execution, group g started g / G of a
 sync ITL later).
 
 Every engine of a group runs the same requests, routes and KV slots at each
@@ -76,15 +77,15 @@ def engines_for(group: str, args):
 
 def _engines_for(group: str, args):
     hold = dict(hold_s=args.hold_s, slack=args.slack, priority=args.priority)
-    two = {"wave_groups": 2, "separate_groups": True}
+    suffix = "" if group == "colocated" else "-disagg"
+    waves = [(f"async-hold-{g}w{suffix}", "hold",
+              {**hold, "wave_groups": g, "separate_groups": True}) for g in args.wave_groups]
     if group == "colocated":
         return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
                 ("async-defrag", "defrag", {}), ("async-mtfs", "mtfs", {}),
-                ("async-flfs", "flfs", {}), ("async-hold", "hold", hold),
-                ("async-hold-2w", "hold", {**hold, **two})]
+                ("async-flfs", "flfs", {}), ("async-hold", "hold", hold)] + waves
     return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
-            ("async-defrag-disagg", "defrag", {}), ("async-hold-disagg", "hold", hold),
-            ("async-hold-2w-disagg", "hold", {**hold, **two})]
+            ("async-defrag-disagg", "defrag", {}), ("async-hold-disagg", "hold", hold)] + waves
 
 
 ENGINE_KEYS = ("wave_groups", "separate_groups")
@@ -275,6 +276,9 @@ def main(argv=None):
     p.add_argument("--gpu_costs", default=None,
                    help="a benchmarks/async_ep_costs_gpu.py record: every kind's cost from it "
                         "(default: the expert record and the modelled attention / sampler)")
+    p.add_argument("--wave_groups", type=int, nargs="*", default=[2, 3],
+                   help="an async-hold-<G>w engine for each G: the hold scheduler with each rank's "
+                        "slots in G wave groups that never share an execution")
     p.add_argument("--baseline_max_slots", type=int, default=1024,
                    help="defrag, MTFS and FLFS run only at points with at most this many slots "
                         "(they fragment waves into many small executions and are slow to simulate)")

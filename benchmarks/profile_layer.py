@@ -6,7 +6,9 @@ For each T it traces `--profile_steps` calls of the whole `moe_layer` on one
 GPU (Mixtral shape, strategy dense, bf16 parameters, `--matmul`; with
 `--train` the value and gradient of a loss instead), then prints (and writes
 to DIR/profile_layer.txt) the device time per call by kernel, largest first,
-and the wall time per call.
+the wall time per call and the GPU's span per call (first kernel start to
+last kernel end over the traced calls, issued back to back: span above the
+busy time is time the GPU sat idle).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from benchmarks.trace_summary import device_time_by_kernel
+from benchmarks.trace_summary import device_span_us, device_time_by_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["4096"], "Tokens per call.")
@@ -63,7 +65,8 @@ def main(argv):
         start = time.perf_counter()
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(FLAGS.profile_steps):
-                jax.block_until_ready(fn(params, x))
+                out = fn(params, x)
+            jax.block_until_ready(out)
         wall = (time.perf_counter() - start) / FLAGS.profile_steps * 1e6
         traces = glob.glob(os.path.join(tmp, "**", "*.json.gz"), recursive=True)
         if not traces:
@@ -71,8 +74,10 @@ def main(argv):
             continue
         shutil.copy(traces[0], os.path.join(FLAGS.out, f"trace_layer_{tokens}.json.gz"))
         kernels = device_time_by_kernel(traces[0], FLAGS.profile_steps)
-        lines.append(f"T={tokens}: GPU0 busy {sum(kernels.values()):.1f} us/call, wall "
-                     f"{wall:.1f} us/call (traced, synchronous), {len(kernels)} kernel names")
+        span = device_span_us(traces[0]) / FLAGS.profile_steps
+        lines.append(f"T={tokens}: GPU0 busy {sum(kernels.values()):.1f} us/call, span "
+                     f"{span:.1f} us/call, wall {wall:.1f} us/call (traced, back to back), "
+                     f"{len(kernels)} kernel names")
         lines += [f"    {v:8.1f} us  {k}" for k, v in kernels.most_common(FLAGS.top)]
     text = "\n".join(lines)
     print(text)

@@ -7,6 +7,25 @@ import gzip
 import json
 
 
+def _gpu0_kernels(trace_path: str) -> list[dict]:
+    with gzip.open(trace_path) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu0 = {pid for pid, n in names.items() if "GPU:0" in n or "gpu:0" in n.lower()}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu0]
+
+
+def device_span_us(trace_path: str) -> float:
+    """Microseconds from the first kernel's start to the last kernel's end on
+    GPU 0 (0 when the trace has none)."""
+    kernels = _gpu0_kernels(trace_path)
+    if not kernels:
+        return 0.0
+    return (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels))
+
+
 def device_time_by_kernel(trace_path: str, steps: int) -> collections.Counter:
     """Microseconds per step by kernel name (first 90 characters) on GPU 0.
 
@@ -15,14 +34,7 @@ def device_time_by_kernel(trace_path: str, steps: int) -> collections.Counter:
         create_perfetto_trace=True)`.
       steps: the number of steps traced (the totals are divided by it).
     """
-    with gzip.open(trace_path) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events)
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu0 = {pid for pid, n in names.items() if "GPU:0" in n or "gpu:0" in n.lower()}
     per_kernel = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu0:
-            per_kernel[e["name"][:90]] += e.get("dur", 0) / steps
+    for e in _gpu0_kernels(trace_path):
+        per_kernel[e["name"][:90]] += e.get("dur", 0) / steps
     return per_kernel

@@ -12,11 +12,7 @@ for the NVLink transport, its dispatch and combine kernels' time per step
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +21,7 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import dispatch_bench as bench
-from benchmarks.trace_summary import device_time_by_kernel
+from benchmarks.trace_summary import device_time_by_kernel, traced, write_summary
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("profile_steps", 20, "Traced steps.")
@@ -63,19 +59,16 @@ def main(argv):
                 calls = FLAGS.profile_steps
             for i in range(2 if run else 5):
                 run() if run else run_step(i)
-            tmp = tempfile.mkdtemp()
-            t0 = time.perf_counter()
-            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            def run_all():
                 for i in range(calls):
                     run() if run else run_step(i)
-            wall = (time.perf_counter() - t0) / FLAGS.profile_steps * 1e6
-            traces = glob.glob(os.path.join(tmp, "**", "*.json.gz"), recursive=True)
-            if not traces:
+            name = f"trace_{method.replace(':', '_')}_{tokens}.json.gz"
+            trace, wall = traced(run_all, os.path.join(FLAGS.out, name))
+            wall = wall / FLAGS.profile_steps * 1e6
+            if trace is None:
                 lines.append(f"T={tokens} {method}: no trace written")
                 continue
-            name = f"trace_{method.replace(':', '_')}_{tokens}.json.gz"
-            shutil.copy(traces[0], os.path.join(FLAGS.out, name))
-            kernels = device_time_by_kernel(traces[0], FLAGS.profile_steps)
+            kernels = device_time_by_kernel(trace, FLAGS.profile_steps)
             total = sum(kernels.values())
             lines.append(f"T={tokens} {method}: GPU0 busy {total:.1f} us/step, wall {wall:.1f} "
                          f"us/step (traced), {len(kernels)} kernel names")
@@ -87,10 +80,7 @@ def main(argv):
                 lines.append(f"    NVLink kernels per step: dispatch {sum(nvlink.values()) - combine:.1f}"
                              f" us (plan, quantize, send, receive), combine {combine:.1f} us "
                              "(send, receive)")
-    text = "\n".join(lines)
-    print(text)
-    with open(os.path.join(FLAGS.out, "profile_summary.txt"), "w") as f:
-        f.write(text + "\n")
+    write_summary(lines, os.path.join(FLAGS.out, "profile_summary.txt"))
 
 
 if __name__ == "__main__":

@@ -13,17 +13,14 @@ busy time is time the GPU sat idle).
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from benchmarks.trace_summary import device_span_us, device_time_by_kernel
+from benchmarks.trace_summary import (device_span_us, device_time_by_kernel, traced,
+                                      write_summary)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["4096"], "Tokens per call.")
@@ -61,28 +58,22 @@ def main(argv):
         x = jax.random.normal(jax.random.key(tokens), (tokens, FLAGS.hidden), jnp.bfloat16)
         for _ in range(3):
             jax.block_until_ready(fn(params, x))
-        tmp = tempfile.mkdtemp()
-        start = time.perf_counter()
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+        def run():
             for _ in range(FLAGS.profile_steps):
                 out = fn(params, x)
             jax.block_until_ready(out)
-        wall = (time.perf_counter() - start) / FLAGS.profile_steps * 1e6
-        traces = glob.glob(os.path.join(tmp, "**", "*.json.gz"), recursive=True)
-        if not traces:
+        trace, wall = traced(run, os.path.join(FLAGS.out, f"trace_layer_{tokens}.json.gz"))
+        wall = wall / FLAGS.profile_steps * 1e6
+        if trace is None:
             lines.append(f"T={tokens}: no trace written")
             continue
-        shutil.copy(traces[0], os.path.join(FLAGS.out, f"trace_layer_{tokens}.json.gz"))
-        kernels = device_time_by_kernel(traces[0], FLAGS.profile_steps)
-        span = device_span_us(traces[0]) / FLAGS.profile_steps
+        kernels = device_time_by_kernel(trace, FLAGS.profile_steps)
+        span = device_span_us(trace) / FLAGS.profile_steps
         lines.append(f"T={tokens}: GPU0 busy {sum(kernels.values()):.1f} us/call, span "
                      f"{span:.1f} us/call, wall {wall:.1f} us/call (traced, back to back), "
                      f"{len(kernels)} kernel names")
         lines += [f"    {v:8.1f} us  {k}" for k, v in kernels.most_common(FLAGS.top)]
-    text = "\n".join(lines)
-    print(text)
-    with open(os.path.join(FLAGS.out, "profile_layer.txt"), "w") as f:
-        f.write(text + "\n")
+    write_summary(lines, os.path.join(FLAGS.out, "profile_layer.txt"))
 
 
 if __name__ == "__main__":

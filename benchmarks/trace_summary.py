@@ -3,8 +3,41 @@
 from __future__ import annotations
 
 import collections
+import glob
 import gzip
 import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+import jax
+
+
+def traced(run: Callable[[], None], copy_to: str) -> tuple[str | None, float]:
+    """Runs `run()` under `jax.profiler.trace` and copies the trace to `copy_to`.
+
+    Returns (copy_to, or None when no trace was written; wall seconds of run).
+    """
+    tmp = tempfile.mkdtemp()
+    start = time.perf_counter()
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+        run()
+    wall = time.perf_counter() - start
+    traces = glob.glob(os.path.join(tmp, "**", "*.json.gz"), recursive=True)
+    if not traces:
+        return None, wall
+    shutil.copy(traces[0], copy_to)
+    return copy_to, wall
+
+
+def write_summary(lines: list[str], path: str) -> None:
+    """Prints the lines and writes them to path."""
+    text = "\n".join(lines)
+    print(text)
+    with open(path, "w") as f:
+        f.write(text + "\n")
 
 
 def _gpu0_kernels(trace_path: str) -> list[dict]:

@@ -33,7 +33,9 @@ N replicated experts on --spare_slots extra slots per rank (moe_jax
 .replication.propose), the expert weights are copied onto the slots, and the
 replicated run must generate the same tokens; it prints each layer's
 placement and the busiest rank's expected rows over the mean's before and
-after.
+after. --replica_choice=balanced instead runs every layer on the static
+Placement.spread with the balanced rule (each step's counts level the
+replicas).
 
 With --benchmark_steps=N it instead times the compiled generation of every
 method in --benchmark_methods (compilation and --benchmark_warmup runs
@@ -132,6 +134,10 @@ flags.DEFINE_integer("replicate_hot_experts", 0, "If > 0: also generate with up 
                      "routing) and check the tokens are the same.")
 flags.DEFINE_integer("spare_slots", 1, "Extra expert slots per rank for "
                      "--replicate_hot_experts (S = experts / ep + spare_slots).")
+flags.DEFINE_enum("replica_choice", "local", ["local", "balanced"],
+                  "With --replicate_hot_experts: 'local' (the sender's replica, else a hash "
+                  "of the token; placements from the routing) or 'balanced' (each step's "
+                  "counts level the replicas of the static Placement.spread).")
 define_model_flags()
 flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0: run as one process of a "
                     "jax.distributed run (with --num_processes and --process_id).")
@@ -170,10 +176,12 @@ def show_progress(units: int, long: int) -> bool:
 
 def make_model(cfg, mesh, params, placements=None):
     """(model, params argument of generate) for the chosen Flax variant."""
+    choice = FLAGS.replica_choice if placements is not None else "local"
     if FLAGS.variant == "nnx":
-        model = MixtralNnx(cfg, mesh=mesh, rngs=nnx.Rngs(0), placements=placements)
+        model = MixtralNnx(cfg, mesh=mesh, rngs=nnx.Rngs(0), placements=placements,
+                           replica_choice=choice)
         return nnx_load_params(model, params), None
-    return MixtralLinen(cfg, mesh), params
+    return MixtralLinen(cfg, mesh, choice), params
 
 
 def run(cfg, mesh, params, prompts, record=False, label="generate", placements=None):
@@ -512,14 +520,20 @@ def replicated_run(cfg, mesh, params, prompts, ep: int, result) -> None:
     trackers = [mj.LoadTracker(experts) for _ in range(cfg.num_layers)]
     for trace in sorted(traces, key=lambda t: (t.step, t.layer)):
         trackers[trace.layer].update_from_trace(trace)
-    placements = [mj.propose(t, ep, slots, FLAGS.replicate_hot_experts) for t in trackers]
-    say(f"hot-expert replication: S={slots} slots per rank, up to "
-        f"{FLAGS.replicate_hot_experts} replicated experts per layer")
-    for i, (tracker, placement) in enumerate(zip(trackers, placements)):
-        before = expected_rank_loads(mj.Placement.default(experts, ep, slots), tracker)
-        after = expected_rank_loads(placement, tracker)
-        say(f"  layer {i}: slots {placement.slot_expert.tolist()}; busiest/mean expected "
-            f"rows {before.max() / before.mean():.2f} -> {after.max() / after.mean():.2f}")
+    if FLAGS.replica_choice == "balanced":
+        placements = [mj.Placement.spread(experts, ep, slots)] * cfg.num_layers
+        say(f"hot-expert replication: S={slots} slots per rank, balanced rule on the spread "
+            f"placement {placements[0].slot_expert.tolist()}")
+    else:
+        placements = [mj.propose(t, ep, slots, FLAGS.replicate_hot_experts) for t in trackers]
+        say(f"hot-expert replication: S={slots} slots per rank, up to "
+            f"{FLAGS.replicate_hot_experts} replicated experts per layer")
+    if FLAGS.replica_choice == "local":   # the expected-load model is the local rule's
+        for i, (tracker, placement) in enumerate(zip(trackers, placements)):
+            before = expected_rank_loads(mj.Placement.default(experts, ep, slots), tracker)
+            after = expected_rank_loads(placement, tracker)
+            say(f"  layer {i}: slots {placement.slot_expert.tolist()}; busiest/mean expected "
+                f"rows {before.max() / before.mean():.2f} -> {after.max() / after.mean():.2f}")
     replicated, seconds = run(cfg, mesh, replicate_params(params, placements), prompts,
                               label="generate (replicated)", placements=placements)
     same = np.array_equal(replicated.tokens, result.tokens)

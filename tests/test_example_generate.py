@@ -147,11 +147,14 @@ def test_data_parallel_runs_generate_the_dense_tokens(tmp_path):
     assert bench["tokens"] == json.loads(one_axis.read_text())["tokens"]
 
 
-@pytest.mark.parametrize("variant, strategy", [("linen", "ragged"), ("nnx", "cap_and_spill")])
-def test_replicate_hot_experts_generates_the_same_tokens(variant, strategy):
-    """--replicate_hot_experts: placements from the first run's routing,
-    slot weights, the same tokens (the example exits 1 otherwise)."""
+@pytest.mark.parametrize("variant, strategy, choice", [
+    ("linen", "ragged", "local"), ("nnx", "cap_and_spill", "local"),
+    ("linen", "cap_and_spill", "balanced"), ("nnx", "ragged", "balanced")])
+def test_replicate_hot_experts_generates_the_same_tokens(variant, strategy, choice):
+    """--replicate_hot_experts: placements from the first run's routing (or
+    the spread one with the balanced rule), slot weights, the same tokens
+    (the example exits 1 otherwise)."""
     out = run_example(f"--strategy={strategy}", "--ep=2", f"--variant={variant}",
-                      "--replicate_hot_experts=2", devices=2)
+                      "--replicate_hot_experts=2", f"--replica_choice={choice}", devices=2)
     assert "hot-expert replication: S=3 slots per rank" in out
     assert "tokens identical to the unreplicated run's" in out

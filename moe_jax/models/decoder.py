@@ -392,6 +392,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
 class _LinenBlock(nn.Module):
     cfg: DecoderConfig
     mesh: jax.sharding.Mesh | None = None
+    replica_choice: str = "local"
 
     @nn.compact
     def __call__(self, x, positions, cache_k, cache_v, index, kv_valid, record=False,
@@ -403,7 +404,7 @@ class _LinenBlock(nn.Module):
                               cache_k, cache_v, index, kv_valid, cfg)
         x = x + a.astype(jnp.float32)
         h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-        moe = moe_linen.MoE(cfg.moe, self.mesh, name="moe")
+        moe = moe_linen.MoE(cfg.moe, self.mesh, self.replica_choice, name="moe")
         y = moe(h.astype(cfg.dtype), placement)
         rec = None
         if record:
@@ -420,11 +421,14 @@ class MixtralLinen(nn.Module):
     placements=None) -> ModelOutput. Dispatch statistics are summed from the
     MoE layers' "moe_stats" collection when it is mutable (else zeros).
     placements: one PlacementArrays per layer (hot-expert replication; the
-    params then hold slot weights, see :func:`replicate_params`).
+    params then hold slot weights, see :func:`replicate_params`), each pick
+    choosing a replica by `replica_choice` ("local" or "balanced", see
+    moe_jax.moe_layer).
     """
 
     cfg: DecoderConfig
     mesh: jax.sharding.Mesh | None = None
+    replica_choice: str = "local"
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, index, kv_valid,
@@ -435,7 +439,8 @@ class MixtralLinen(nn.Module):
         x = jnp.take(embed, tokens, axis=0).astype(jnp.float32)
         new_k, new_v, records = [], [], []
         for i in range(cfg.num_layers):
-            x, ck, cv, rec = _LinenBlock(cfg, self.mesh, name=f"layers_{i}")(
+            x, ck, cv, rec = _LinenBlock(cfg, self.mesh, self.replica_choice,
+                                         name=f"layers_{i}")(
                 x, positions, cache.k[i], cache.v[i], index, kv_valid, record,
                 None if placements is None else placements[i])
             new_k.append(ck)
@@ -468,11 +473,13 @@ def linen_stats(mutated: dict, cfg: DecoderConfig) -> DispatchStats:
 # --------------------------------------------------------------------------
 
 class _NnxBlock(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, mesh, rngs: nnx.Rngs, placement=None):
+    def __init__(self, cfg: DecoderConfig, mesh, rngs: nnx.Rngs, placement=None,
+                 replica_choice: str = "local"):
         self.cfg = cfg
         for name, (init, shape) in _attn_inits(cfg).items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, cfg.param_dtype)))
-        self.moe = moe_nnx.MoE(cfg.moe, mesh=mesh, rngs=rngs, placement=placement)
+        self.moe = moe_nnx.MoE(cfg.moe, mesh=mesh, rngs=rngs, placement=placement,
+                               replica_choice=replica_choice)
 
     def __call__(self, x, positions, cache_k, cache_v, index, kv_valid, record=False):
         cfg = self.cfg
@@ -500,11 +507,13 @@ class MixtralNnx(nnx.Module):
     ModelOutput (stats: this call's DispatchStats summed over the layers;
     max_peer_rows is the running maximum kept by the MoE modules).
     placements: one moe_jax.replication.Placement per layer (hot-expert
-    replication: each MoE module holds slot weights and its placement).
+    replication: each MoE module holds slot weights and its placement);
+    replica_choice: "local" or "balanced" (see moe_jax.moe_layer).
     """
 
     def __init__(self, cfg: DecoderConfig, *, mesh: jax.sharding.Mesh | None = None,
-                 rngs: nnx.Rngs, placements: list[Placement] | None = None):
+                 rngs: nnx.Rngs, placements: list[Placement] | None = None,
+                 replica_choice: str = "local"):
         self.cfg = cfg
         self.mesh = mesh
         self.embed = nnx.Param(_embed_init(rngs.params(), (cfg.vocab_size, cfg.d_model),
@@ -513,7 +522,8 @@ class MixtralNnx(nnx.Module):
             raise ValueError(f"placements: one per layer ({cfg.num_layers}), got "
                              f"{len(placements)}")
         self.layers = nnx.List([_NnxBlock(cfg, mesh, rngs,
-                                          None if placements is None else placements[i])
+                                          None if placements is None else placements[i],
+                                          replica_choice)
                                 for i in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), cfg.param_dtype))
         self.lm_head = nnx.data(None if cfg.tie_embeddings else nnx.Param(

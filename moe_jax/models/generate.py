@@ -72,7 +72,7 @@ class _LinenApply:
     def __init__(self, model: MixtralLinen, replicated: bool = False):
         self.model = model
         self.replicated = replicated
-        self.key = (model.cfg, model.mesh, replicated)
+        self.key = (model.cfg, model.mesh, model.replica_choice, replicated)
 
     def __call__(self, params, *args):
         placements = None

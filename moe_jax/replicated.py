@@ -10,7 +10,11 @@ slot id is a destination rank and a local group: ``experts_per_rank = S``):
 * :func:`slot_ids` maps each pick (token, logical expert) to a slot with
   ``moe_jax.replication.choose_replica`` on the device: the replica on the
   sender's own rank when there is one, else one chosen by a fixed hash of
-  the token's index in the expert-parallel group;
+  the token's index in the expert-parallel group (the "local" rule);
+* :func:`balanced_slot_ids` (the "balanced" rule) instead cuts each
+  expert's picks into per-replica ranges that level the receiving ranks'
+  rows, from the step's per-expert counts all-gathered over the expert
+  axis (:func:`balanced_sizes`);
 * :func:`tie_copies` is the identity on the slot weights whose VJP gives
   every copy of an expert the sum of all its copies' gradients, so copies
   updated by any optimizer from identical states stay identical.

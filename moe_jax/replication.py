@@ -29,7 +29,10 @@ A pick (token ``t``, expert ``e``) sent from rank ``r`` goes to
 :func:`choose_replica_np` (NumPy) and :func:`choose_replica` (jax.numpy)
 compute it from the arrays of :meth:`Placement.as_arrays` only, so the jnp
 version can run inside a jitted dispatch plan with the placement as an
-array input (a new placement does not recompile).
+array input (a new placement does not recompile). The count-aware
+"balanced" rule (:func:`balanced_split_np`, :func:`choose_balanced_np`;
+on the device ``moe_jax.replicated.balanced_slot_ids``) levels the step's
+own loads over the replicas instead.
 
 The expected-load model
 -----------------------

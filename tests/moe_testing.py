@@ -188,12 +188,15 @@ def rel_error(a, b) -> float:
 
 def rowwise_experts(scales: jax.Array):
     """Expert e maps a row to tanh(row) * scales[e]: every output row (and
-    its gradient) is a function of that row alone, bitwise."""
+    its gradient) is a function of that row alone, bitwise. Padding rows
+    (past sum(group_sizes)) may hold any bits, NaN included: they are read
+    as zeros, so they touch neither the outputs nor the scales' gradient."""
     def fn(rows, group_sizes):
         expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
                             total_repeat_length=rows.shape[0])
-        return (jnp.tanh(rows.astype(jnp.float32))
-                * scales[expert].astype(jnp.float32)).astype(rows.dtype)
+        real = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
+        read = jnp.where(real[:, None], rows.astype(jnp.float32), 0.0)
+        return (jnp.tanh(read) * scales[expert].astype(jnp.float32)).astype(rows.dtype)
     return fn
 
 

@@ -18,7 +18,12 @@ from moe_jax.dispatch.context import DispatchContext
 from moe_jax.plan import DispatchPlan, exclusive_cumsum
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
-"""(rows [M, H] sorted by local expert, group_sizes [E_local] int32) -> [M, H]."""
+"""(rows [M, H] sorted by local expert, group_sizes [E_local] int32) -> [M, H].
+
+Rows past sum(group_sizes) are padding and may hold any bits (a transport's
+receive buffer, NaN included): an expert function gives them zero outputs
+and lets them touch neither the real rows' outputs nor any gradient (the
+grouped matmuls of moe_jax.ops.grouped_matmul never read them)."""
 
 
 class Delivered(NamedTuple):

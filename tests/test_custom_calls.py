@@ -143,3 +143,29 @@ def test_combine_rejects_bad_operands():
                              out_dtype=jnp.float32)
     with pytest.raises(ValueError, match="'pos'"):
         custom_calls.combine(ret, ret, idx, idx[:5], w, start=0, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("capacity, spill", [(5, 0), (0, 3)])
+def test_combine_in_an_unjitted_shard_map_with_an_empty_window(capacity, spill):
+    """Each primitive of an un-jitted shard_map compiles alone; a zero-sized
+    window must still reach the custom call (XLA:CPU used to crash on it)."""
+    ranks, tokens, top_k = 8, 6, 2
+    mesh = _mesh(ranks)
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(0, ranks, (ranks * tokens, top_k)), jnp.int32)
+    cap_ret = jnp.asarray(rng.standard_normal((ranks * ranks, capacity, 16)), jnp.float32)
+    spill_ret = jnp.asarray(rng.standard_normal((ranks * ranks, spill, 16)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((ranks * tokens, top_k)), jnp.float32)
+
+    def body(cap_ret, spill_ret, ids, weights):
+        plan = make_plan(ids, ranks, 1)
+        return custom_calls.combine(cap_ret, spill_ret, plan.dest, plan.pos, weights, start=0,
+                                    out_dtype=jnp.float32)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep"))
+    args = [jax.device_put(a, NamedSharding(mesh, P("ep")))
+            for a in (cap_ret, spill_ret, ids, weights)]
+    eager = run(*args)
+    jitted = jax.jit(run)(*args)
+    np.testing.assert_array_equal(bits(np.asarray(eager)), bits(np.asarray(jitted)))
+    assert np.any(np.asarray(jitted) != 0)

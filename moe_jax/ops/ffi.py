@@ -83,8 +83,21 @@ def call_ffi(target: str, out_types, operands, attrs, extra_axes=(), invariant_r
     invariant_results keep ffi_call's invariant type (they are the same on
     every rank)."""
     axes = varying_axes(*operands) | frozenset(extra_axes)
-    operands = [as_varying(o, axes) for o in operands]
-    results = jax.ffi.ffi_call(target, out_types, **options)(*operands, **attrs)
+    call = jax.ffi.ffi_call(target, out_types, **options)
+    if any(o.size == 0 for o in operands):
+        # XLA:CPU crashes compiling a custom call whose zero-sized operand is
+        # a parameter of the computation (each primitive of an un-jitted
+        # shard_map is one): build such operands inside one jitted call.
+        shapes = [(o.shape, o.dtype) if o.size == 0 else None for o in operands]
+
+        def with_empties(*present):
+            given = iter(present)
+            return call(*[as_varying(jnp.zeros(*sd), axes) if sd else next(given)
+                          for sd in shapes], **attrs)
+
+        results = jax.jit(with_empties)(*[as_varying(o, axes) for o in operands if o.size])
+    else:
+        results = call(*[as_varying(o, axes) for o in operands], **attrs)
     if not isinstance(results, (tuple, list)):
         return as_varying(results, axes)
     return type(results)(r if i in invariant_results else as_varying(r, axes)

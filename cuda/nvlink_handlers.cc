@@ -569,12 +569,30 @@ auto Execute() {
       .Ctx<OptionalCollectives>();
 }
 
+// Execute() then kArgs buffer operands, kRets buffer results and the
+// attributes: every execute handler below takes its buffers in that order.
+template <int kArgs, int kRets, class Binding>
+auto WithBuffers(Binding binding) {
+  if constexpr (kArgs > 0) {
+    return WithBuffers<kArgs - 1, kRets>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (kRets > 0) {
+    return WithBuffers<0, kRets - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::move(binding).template Attrs<Attrs>();
+  }
+}
+
 }  // namespace
 }  // namespace moe_jax::cuda::nvlink
 
 namespace nv = moe_jax::cuda::nvlink;
-using nv::Execute;
-using xla::ffi::AnyBuffer;
+
+// The binding is parenthesized: its template arguments' comma must not
+// split the macro's arguments.
+#define MOE_JAX_NVLINK_EXECUTE_HANDLER(name, impl, args, rets)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                     \
+                                (nv::WithBuffers<args, rets>(nv::Execute())), \
+                                {xla::ffi::Traits::kCmdBufferCompatible})
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkPrepare, nv::PrepareImpl,
                               xla::ffi::Ffi::BindPrepare()
@@ -587,84 +605,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkInitialize, nv::InitializeImpl,
                                   .Ctx<moe_jax::cuda::OptionalCollectives>()
                                   .Attrs<nv::Attrs>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchSend, nv::DispatchSendImpl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // x
-                                  .Arg<AnyBuffer>()    // expert_ids
-                                  .Ret<AnyBuffer>()    // slot_pos
-                                  .Ret<AnyBuffer>()    // send_counts
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// x, expert_ids -> slot_pos, send_counts
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkDispatchSend, nv::DispatchSendImpl, 2, 2);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchRecv, nv::DispatchRecvImpl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // slot_pos (orders recv after send)
-                                  .Ret<AnyBuffer>()    // rows
-                                  .Ret<AnyBuffer>()    // group_sizes
-                                  .Ret<AnyBuffer>()    // all_counts
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// slot_pos (orders recv after send) -> rows, group_sizes, all_counts
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkDispatchRecv, nv::DispatchRecvImpl, 1, 3);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchRecvFp8, nv::DispatchRecvFp8Impl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // slot_pos
-                                  .Ret<AnyBuffer>()    // rows (f8e4m3fn)
-                                  .Ret<AnyBuffer>()    // scales
-                                  .Ret<AnyBuffer>()    // group_sizes
-                                  .Ret<AnyBuffer>()    // all_counts
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// slot_pos -> rows (f8e4m3fn), scales, group_sizes, all_counts
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkDispatchRecvFp8, nv::DispatchRecvFp8Impl, 1, 4);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkCombineSend, nv::CombineSendImpl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // y
-                                  .Arg<AnyBuffer>()    // all_counts
-                                  .Ret<AnyBuffer>()    // done (orders recv after send)
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// y, all_counts -> done (orders recv after send)
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkCombineSend, nv::CombineSendImpl, 2, 1);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkCombineRecv, nv::CombineRecvImpl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // done
-                                  .Arg<AnyBuffer>()    // expert_ids
-                                  .Arg<AnyBuffer>()    // slot_pos
-                                  .Arg<AnyBuffer>()    // weights
-                                  .Ret<AnyBuffer>()    // out
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// done, expert_ids, slot_pos, weights -> out
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkCombineRecv, nv::CombineRecvImpl, 4, 1);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatch, nv::DispatchImpl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // x
-                                  .Arg<AnyBuffer>()    // expert_ids
-                                  .Ret<AnyBuffer>()    // slot_pos
-                                  .Ret<AnyBuffer>()    // send_counts
-                                  .Ret<AnyBuffer>()    // rows
-                                  .Ret<AnyBuffer>()    // group_sizes
-                                  .Ret<AnyBuffer>()    // all_counts
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// x, expert_ids -> slot_pos, send_counts, rows, group_sizes, all_counts
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkDispatch, nv::DispatchImpl, 2, 5);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkDispatchFp8, nv::DispatchFp8Impl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // x (bf16)
-                                  .Arg<AnyBuffer>()    // expert_ids
-                                  .Ret<AnyBuffer>()    // slot_pos
-                                  .Ret<AnyBuffer>()    // send_counts
-                                  .Ret<AnyBuffer>()    // rows (f8e4m3fn)
-                                  .Ret<AnyBuffer>()    // scales
-                                  .Ret<AnyBuffer>()    // group_sizes
-                                  .Ret<AnyBuffer>()    // all_counts
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// x (bf16), expert_ids -> slot_pos, send_counts, rows (f8e4m3fn), scales,
+// group_sizes, all_counts
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkDispatchFp8, nv::DispatchFp8Impl, 2, 6);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeJaxNvlinkCombine, nv::CombineImpl,
-                              Execute()
-                                  .Arg<AnyBuffer>()    // y
-                                  .Arg<AnyBuffer>()    // all_counts
-                                  .Arg<AnyBuffer>()    // expert_ids
-                                  .Arg<AnyBuffer>()    // slot_pos
-                                  .Arg<AnyBuffer>()    // weights
-                                  .Ret<AnyBuffer>()    // out
-                                  .Attrs<nv::Attrs>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// y, all_counts, expert_ids, slot_pos, weights -> out
+MOE_JAX_NVLINK_EXECUTE_HANDLER(MoeJaxNvlinkCombine, nv::CombineImpl, 5, 1);
+

@@ -16,6 +16,18 @@ calibrated Mixtral-8x7B trace model:
                   dequantized for the experts, bf16 combine)
   gshard          GShard one-hot einsum dispatch (capacity T per expert: exact)
 
+With --replicate=N every method runs on a hot-expert placement
+(docs/design/replication.md): P x S slots, S = E/P + --spare_slots, each
+pick mapped to a slot on the device as moe_layer(..., placement=) maps it
+(moe_jax.replicated.balanced_slot_ids or slot_ids, inside the timed step),
+then the unchanged dispatch over slots. --replica_choice=balanced (the
+default) runs the balanced rule on the static Placement.spread (N > 0 only
+turns replication on); --replica_choice=local runs the local rule on
+moe_jax.propose of the calibrated traces' mean per-expert load, the N
+hottest experts replicable. C and S of cap_and_spill and the busiest-GPU
+floor then come from the slot-level rows, and every record states the
+placement (header, and the method labels of the tables).
+
 Phases: "dispatch" (pack + all-to-all), "combine" (all-to-all back + merge),
 "dc" (dispatch + combine with identity experts) and "layer" (the whole
 layer: dispatch, SwiGLU experts, combine, exact fallback included). It also
@@ -47,6 +59,8 @@ from moe_jax.dispatch.api import exchange_counts
 from moe_jax.dispatch.cap_and_spill import cap_and_spill
 from moe_jax.dispatch.passes import return_window, send_window
 from moe_jax.plan import make_plan, worst_case_rows_per_peer
+from moe_jax.replicated import balanced_slot_ids, slot_ids
+from moe_jax.replication import PlacementArrays, choose_balanced_np, choose_replica_np
 from moe_jax.traces import sample_routing
 
 from benchmarks.provenance import code_meta, portable_command
@@ -80,6 +94,17 @@ flags.DEFINE_enum("consume", "sum", ["sum", "first_row"],
                   "buffer of a dispatch included) or of its first row only (first_row: the "
                   "step's kernels all run, but no read of the output is timed; comparable to "
                   "published kernel-only dispatch latencies).")
+flags.DEFINE_integer("replicate", 0, "Hot-expert replication: 0 off; N > 0 runs every "
+                     "method on a placement (module docstring): with --replica_choice=local "
+                     "the N hottest experts of the calibrated traces' mean load are "
+                     "replicable (moe_jax.propose); with balanced, Placement.spread.")
+flags.DEFINE_enum("replica_choice", "balanced", ["local", "balanced"],
+                  "With --replicate: 'balanced' (the step's per-expert counts, all-gathered, "
+                  "level the replicas of the static Placement.spread; what "
+                  "docs/design/replication.md recommends) or 'local' (the sender's own "
+                  "replica, else a hash of the token; placement from moe_jax.propose).")
+flags.DEFINE_integer("spare_slots", 1, "With --replicate: extra expert slots per rank "
+                     "(S = experts / ranks + spare_slots).")
 flags.DEFINE_integer("loop_unroll", 1, "With --timing=loop: steps per loop iteration "
                      "(amortizes the loop's own per-iteration cost).")
 
@@ -100,11 +125,90 @@ def _routing_batches(ranks, tokens, num, seed):
     return np.stack(ids), np.stack(weights)
 
 
-def _calibrate(ranks, tokens, quantile):
+def _placement(ranks):
+    """The run's Placement under --replicate (None when it is off)."""
+    if not FLAGS.replicate:
+        return None
+    slots = FLAGS.experts // ranks + FLAGS.spare_slots
+    if FLAGS.replica_choice == "balanced":
+        return mj.Placement.spread(FLAGS.experts, ranks, slots)
+    traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks, top_k=FLAGS.top_k,
+                                num_layers=1, num_steps=FLAGS.calibration_steps,
+                                seed=FLAGS.seed + 2)
+    loads = np.mean([np.bincount(t.experts.reshape(-1), minlength=FLAGS.experts)
+                     for t in traces], axis=0)
+    return mj.propose(loads, ranks, slots, FLAGS.replicate)
+
+
+def _dest_ranks(ids, ranks, placement):
+    """[N, k] destination rank of each pick of one step's routing (the ranks'
+    tokens in equal contiguous shards): the expert's home rank, or with a
+    placement the rank of the slot moe_jax.replication's NumPy rule names
+    (the layer's token index r * T + t for the local rule's hash)."""
+    if placement is None:
+        return ids // (FLAGS.experts // ranks)
+    arrays, slots = placement.as_arrays(), placement.slot_expert.shape[1]
+    if FLAGS.replica_choice == "balanced":
+        slot = choose_balanced_np(ids.reshape(ranks, -1), None, None, arrays["replica_slots"],
+                                  arrays["num_replicas"], slots).reshape(ids.shape)
+    else:
+        token = np.arange(ids.shape[0])[:, None]
+        slot = choose_replica_np(token, ids, token // (ids.shape[0] // ranks),
+                                 arrays["local_slot"], arrays["replica_slots"],
+                                 arrays["num_replicas"])
+    return slot // slots
+
+
+def _peer_counts(ids, ranks, placement):
+    """[P, P] (token, pick) rows per (source, destination rank) of one step."""
+    source = np.repeat(np.arange(ranks), ids.shape[0] // ranks)[:, None]
+    pair = source * ranks + _dest_ranks(ids, ranks, placement)
+    return np.bincount(pair.reshape(-1), minlength=ranks * ranks).reshape(ranks, ranks)
+
+
+def _calibrate(ranks, tokens, quantile, placement=None):
     traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks, top_k=FLAGS.top_k,
                                 num_layers=1, num_steps=FLAGS.calibration_steps,
                                 tokens_per_rank=tokens, seed=FLAGS.seed + 1)
-    return mj.calibrate(traces, quantile, num_ranks=ranks, num_experts=FLAGS.experts)
+    if placement is None:
+        return mj.calibrate(traces, quantile, num_ranks=ranks, num_experts=FLAGS.experts)
+    counts = np.stack([_peer_counts(t.experts, ranks, placement) for t in traces])
+    return mj.calibrate(counts, quantile, num_ranks=ranks)
+
+
+def _context(mesh, ranks, transport="lax"):
+    backend = "cpu" if mesh.devices.flat[0].platform == "cpu" else "gpu"
+    return DispatchContext("ep", ranks, transport, "custom_call", backend,
+                           tuple(mesh.devices.flat))
+
+
+def _to_slots(ids, placement, ctx):
+    """With placement arrays: each pick's global slot, as moe_layer maps it."""
+    if placement is None:
+        return ids
+    if FLAGS.replica_choice == "balanced":
+        return balanced_slot_ids(ids, placement, ctx.rank(), ctx.all_gather)
+    rank = ctx.rank()
+    return slot_ids(ids, placement, rank, rank * ids.shape[0])
+
+
+def _delivered_rows(mesh, ranks, inputs, placement):
+    """[routings, P] rows each rank's experts (slots) receive, by the layer's
+    own slot mapping and the ragged dispatch on the devices."""
+    ctx = _context(mesh, ranks)
+    per_rank = placement.slot_expert.shape[1] if placement is not None else FLAGS.experts // ranks
+    arrays = tuple(placement.device_arrays()) if placement is not None else ()
+
+    def body(x, ids, w, *parr):
+        slot = _to_slots(ids, PlacementArrays(*parr) if parr else None, ctx)
+        res = mj.dispatch_combine(x, slot, w, _identity, strategy="ragged", ctx=ctx,
+                                  experts_per_rank=per_rank, return_delivered=True)
+        return res.delivered.group_sizes
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3 + (P(),) * len(arrays),
+                               out_specs=P("ep"), check_vma=False))
+    return np.stack([np.asarray(fn(*args, *arrays)).reshape(ranks, per_rank).sum(1)
+                     for args in inputs])
 
 
 def _identity(rows, group_sizes):
@@ -137,24 +241,27 @@ def _gshard(x, ids, w, expert_fn, ctx, experts_per_rank, phase):
     return jnp.einsum("tec,ecd->td", position * combine_w[..., None], back)
 
 
-def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
-    """A jitted function (x, ids, w) -> output for one method and phase."""
+def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh, placement=None):
+    """A jitted function (x, ids, w, *extra) -> output for one method and phase;
+    extra: the expert weights (layer phase), then the placement's arrays
+    (with --replicate)."""
     strategy, _, transport = method.partition(":")
     noguard = transport == "noguard"
     fp8 = transport == "nvlink_fp8"
     transport = {"nccl": "custom_call", "": "lax", "lax": "lax", "noguard": "lax",
                  "nvlink": "nvlink", "nvlink_fp8": "nvlink"}[transport]
-    experts_per_rank = FLAGS.experts // ranks
-    backend = "cpu" if mesh.devices.flat[0].platform == "cpu" else "gpu"
-    ctx = DispatchContext("ep", ranks, transport, "custom_call", backend,
-                          tuple(mesh.devices.flat))
+    experts_per_rank = placement.slot_expert.shape[1] if placement is not None else FLAGS.experts // ranks
+    ctx = _context(mesh, ranks, transport)
+    num_weights = len(experts) if phase == "layer" else 0
     worst = worst_case_rows_per_peer(tokens, FLAGS.top_k, experts_per_rank)
     expert_fn = _swiglu(experts) if phase == "layer" else _identity
 
-    def body(x, ids, w, *expert_weights):
+    def body(x, ids, w, *extra):
         nonlocal expert_fn
         if phase == "layer":
-            expert_fn = _swiglu(mj.ExpertWeights(*expert_weights))
+            expert_fn = _swiglu(mj.ExpertWeights(*extra[:num_weights]))
+        if placement is not None:
+            ids = _to_slots(ids, PlacementArrays(*extra[num_weights:]), ctx)
         if strategy == "gshard":
             return _gshard(x, ids, w, expert_fn, ctx, experts_per_rank, phase)
         if transport == "nvlink" and (phase == "dispatch" or fp8):
@@ -182,7 +289,7 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh):
         return mj.dispatch_combine(x, ids, w, expert_fn, strategy=strategy, ctx=ctx,
                                    experts_per_rank=experts_per_rank, **kw).out
 
-    specs = (P("ep"),) * 3 + ((P("ep"),) * 3 if phase == "layer" else ())
+    specs = (P("ep"),) * (3 + num_weights) + ((P(),) * 4 if placement is not None else ())
     if FLAGS.timing == "loop":
         def looped(x, ids_steps, w_steps, *extra):
             def step(i, acc):
@@ -268,7 +375,19 @@ def main(argv):
     start_time = time.time()
     mesh = _mesh()
     ranks = mesh.shape["ep"]
-    experts_per_rank = FLAGS.experts // ranks
+    if FLAGS.replicate < 0:
+        raise app.UsageError(f"--replicate={FLAGS.replicate} must be >= 0")
+    if FLAGS.replicate and FLAGS.spare_slots < 1:
+        raise app.UsageError(f"--spare_slots={FLAGS.spare_slots} must be >= 1")
+    if FLAGS.replicate and FLAGS.experts % ranks:
+        raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of the "
+                             f"{ranks} devices with --replicate")
+    placement = _placement(ranks)
+    placement_arrays = tuple(placement.device_arrays()) if placement is not None else ()
+    experts_per_rank = (placement.slot_expert.shape[1] if placement is not None
+                        else FLAGS.experts // ranks)
+    if placement is not None:
+        print(f"replication: {_placement_text(placement)}", flush=True)
     devices = jax.devices()
     sharding = NamedSharding(mesh, P("ep"))
     bandwidth = _alltoall_bandwidth(mesh, ranks) if ranks > 1 else None  # None: no peers
@@ -279,6 +398,8 @@ def main(argv):
     if "layer" in FLAGS.phases:
         ew = mj.init_expert_weights(jax.random.key(0), FLAGS.experts, FLAGS.hidden, FLAGS.ffn,
                                     jnp.bfloat16)
+        if placement is not None:
+            ew = mj.slot_weights(ew, placement)
         experts = tuple(jax.device_put(a, sharding) for a in ew)
     results = []
     stopped = False
@@ -294,9 +415,13 @@ def main(argv):
                    jax.device_put(np.concatenate([weights] * reps)[:FLAGS.steps],
                                   steps_sharding))
         worst = worst_case_rows_per_peer(tokens, FLAGS.top_k, experts_per_rank)
-        counts = np.stack([np.bincount(
-            (i.reshape(ranks, -1) // experts_per_rank)[r], minlength=ranks)
-            for i in ids for r in range(ranks)])
+        counts = np.concatenate([_peer_counts(i, ranks, placement) for i in ids])
+        delivered = _delivered_rows(mesh, ranks, inputs, placement)
+        if not (delivered == counts.reshape(len(ids), ranks, ranks).sum(1)).all():
+            raise RuntimeError(f"T={tokens}: the rows the devices delivered per rank differ "
+                               "from moe_jax.replication's NumPy rule")
+        rows_per_rank = [float(v) for v in delivered.mean(0)]
+        busiest_rank_rows = float(delivered.max(1).mean())
         actual_rows = float(np.mean(counts.sum(1) - counts[np.arange(len(counts)),
                                                              np.arange(len(counts)) % ranks]))
         busiest_rows = _busiest_gpu_rows(counts.reshape(len(ids), ranks, ranks))
@@ -306,14 +431,14 @@ def main(argv):
         configs = []
         for method in FLAGS.methods:
             if method == "cap_and_spill:nvlink":  # C does not change what moves
-                configs.append((method, 0.99, _calibrate(ranks, tokens, 0.99)))
+                configs.append((method, 0.99, _calibrate(ranks, tokens, 0.99, placement)))
             elif method.startswith("cap_and_spill"):
                 for q in map(float, FLAGS.quantiles):
-                    calib = _calibrate(ranks, tokens, q)
+                    calib = _calibrate(ranks, tokens, q, placement)
                     configs.append((method, q, calib))
                 if method == "cap_and_spill:lax":
                     configs.append(("cap_and_spill:noguard", 0.99,
-                                    _calibrate(ranks, tokens, 0.99)))
+                                    _calibrate(ranks, tokens, 0.99, placement)))
             else:
                 configs.append((method, None, None))
         for method, q, calib in configs:
@@ -333,8 +458,8 @@ def main(argv):
                 spill = calib.spill_capacity if calib else None
                 try:
                     fn = _build(method, phase, ranks, tokens, cap, spill,
-                                experts, mesh)
-                    extra = experts if phase == "layer" else ()
+                                experts, mesh, placement)
+                    extra = (experts if phase == "layer" else ()) + placement_arrays
                     if FLAGS.timing == "loop":
                         timing = _time_loop(fn, x, *stacked, extra)
                     else:
@@ -343,7 +468,8 @@ def main(argv):
                     print(f"T={tokens} {method} {phase}: FAILED {type(err).__name__}: "
                           f"{str(err)[:300]}", flush=True)
                     results.append(dict(tokens=tokens, method=method, phase=phase,
-                                        quantile=q, error=f"{type(err).__name__}: {err}"[:2000]))
+                                        quantile=q, placement=_placement_label(placement),
+                                        error=f"{type(err).__name__}: {err}"[:2000]))
                     continue
                 row = dict(tokens=tokens, method=method, phase=phase, quantile=q,
                            capacity=cap, spill_capacity=spill, worst_case=worst,
@@ -351,16 +477,34 @@ def main(argv):
                            calib.frac_counts_over_capacity,
                            fallback_rate=None if calib is None else calib.frac_counts_over_total,
                            byte_floor_dc_us=floor_us,
-                           busiest_floor_dc_us=busiest_floor_us, **timing)
+                           busiest_floor_dc_us=busiest_floor_us,
+                           placement=_placement_label(placement),
+                           rows_per_rank=rows_per_rank, busiest_rank_rows=busiest_rank_rows,
+                           **timing)
                 results.append(row)
                 print(f"T={tokens:5d} {method:22s} q={q} {phase:8s} mean {timing['mean_us']:9.1f}"
                       f" median {timing['median_us']:9.1f} p99 {timing['p99_us']:9.1f} "
                       f"pipelined {timing['pipelined_mean_us']:9.1f} us", flush=True)
-        _write(results, devices, bandwidth, partial=True)
-    _write(results, devices, bandwidth, partial=stopped)
+        _write(results, devices, bandwidth, placement, partial=True)
+    _write(results, devices, bandwidth, placement, partial=stopped)
 
 
-def _write(results, devices, bandwidth, partial):
+def _placement_label(placement):
+    """Short tag of the run's replication for every result row (None: off)."""
+    if placement is None:
+        return None
+    return f"{FLAGS.replica_choice} S={placement.slot_expert.shape[1]}"
+
+
+def _placement_text(placement):
+    rule = ("balanced rule on Placement.spread" if FLAGS.replica_choice == "balanced" else
+            f"local rule on moe_jax.propose of the calibrated traces' mean load, "
+            f"{FLAGS.replicate} hottest experts replicable")
+    return (f"{rule}, S={placement.slot_expert.shape[1]} slots per rank, slot_expert "
+            f"{placement.slot_expert.tolist()}")
+
+
+def _write(results, devices, bandwidth, placement, partial):
     os.makedirs(FLAGS.out, exist_ok=True)
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -372,6 +516,10 @@ def _write(results, devices, bandwidth, partial):
         hidden=FLAGS.hidden,
         timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll, consume=FLAGS.consume,
         experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
+        replication=None if placement is None else dict(
+            replica_choice=FLAGS.replica_choice, replicate=FLAGS.replicate,
+            spare_slots=FLAGS.spare_slots, slots_per_rank=placement.slot_expert.shape[1],
+            slot_expert=placement.slot_expert.tolist(), text=_placement_text(placement)),
         xla_flags=os.environ.get("XLA_FLAGS", ""))
     stem = os.path.join(FLAGS.out, FLAGS.tag)
     with open(stem + ".json", "w") as f:

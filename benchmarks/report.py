@@ -18,9 +18,12 @@ def _fmt(v, digits=1):
 
 def _label(r):
     q = r.get("quantile")
+    label = r["method"]
     if r["method"].startswith("cap_and_spill"):
-        return f"{r['method']} q={q} (C={r.get('capacity')}, S={r.get('spill_capacity')})"
-    return r["method"]
+        label = f"{r['method']} q={q} (C={r.get('capacity')}, S={r.get('spill_capacity')})"
+    if r.get("placement"):
+        label += f" [replicated: {r['placement']}]"
+    return label
 
 
 def write_report(json_path: str) -> str:
@@ -42,6 +45,10 @@ def write_report(json_path: str) -> str:
                 "takes its local path whatever the transport, so the `:nvlink` dc rows "
                 "run no NVLink kernels, while the dispatch rows and the fp8 rows do)"),
              f"- XLA_FLAGS: `{meta['xla_flags'] or '(none)'}`",
+             *([f"- hot-expert replication on every row: {meta['replication']['text']}; "
+                "each pick is mapped to a slot inside the timed step as `moe_layer(..., "
+                "placement=)` maps it; C, S, `floor` and `busiest` come from the "
+                "slot-level rows"] if meta.get("replication") else []),
              ""]
     if meta.get("partial"):
         lines += ["**Partial run** (stopped before every configuration ran).", ""]

@@ -72,6 +72,9 @@ def _summarize_run(path, rows, meta) -> str:
            f"jax {meta['jax']}; d={meta['hidden']} bf16, E={meta['experts']}, "
            f"top-{meta['top_k']}, {meta['steps']} steps per cell (full tables, p50/p95/p99, "
            "overflow rates, CDF plots in the file).", ""]
+    if meta.get("replication"):
+        out += [f"Hot-expert replication on every cell of this run: "
+                f"{meta['replication']['text']}.", ""]
     unrolled = sorted({k[0] for k in rows if k[0].startswith("loop_x")})
     for timing, phase, title in [(t, p, n) for t in (*unrolled, "loop", "host")
                                  for p, n in (("dc", "dispatch + combine"),

@@ -81,6 +81,9 @@ flags.DEFINE_integer("warmup", 5, "Unmeasured steps first.")
 flags.DEFINE_integer("routings", 50, "Distinct routings cycled through (fresh per step).")
 flags.DEFINE_integer("calibration_steps", 400, "Trace-model steps used to choose C and S.")
 flags.DEFINE_integer("seed", 0, "Routing seed.")
+flags.DEFINE_float("skew", mj.mixtral_8x7b_ep8().skew, "Standard deviation of the expert "
+                   "log-popularity drawn afresh every step (default: the calibrated "
+                   "Mixtral-8x7B value; 0: uniform).")
 flags.DEFINE_string("out", None, "Folder for JSON, markdown and plot. Required: the records under docs/benchmarks/ are only written when named.")
 flags.DEFINE_string("tag", "dispatch", "File name stem of the results.")
 flags.DEFINE_float("time_budget_s", 480, "Stop starting new configurations after this.")
@@ -119,7 +122,7 @@ def _routing_batches(ranks, tokens, num, seed):
     rng = np.random.default_rng(seed)
     ids, weights = [], []
     for _ in range(num):
-        e, g = sample_routing(rng, ranks * tokens, FLAGS.experts, FLAGS.top_k)
+        e, g = sample_routing(rng, ranks * tokens, FLAGS.experts, FLAGS.top_k, FLAGS.skew)
         ids.append(e.astype(np.int32))
         weights.append(g.astype(np.float32))
     return np.stack(ids), np.stack(weights)
@@ -134,7 +137,7 @@ def _placement(ranks):
         return mj.Placement.spread(FLAGS.experts, ranks, slots)
     traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks, top_k=FLAGS.top_k,
                                 num_layers=1, num_steps=FLAGS.calibration_steps,
-                                seed=FLAGS.seed + 2)
+                                skew=FLAGS.skew, seed=FLAGS.seed + 2)
     loads = np.mean([np.bincount(t.experts.reshape(-1), minlength=FLAGS.experts)
                      for t in traces], axis=0)
     return mj.propose(loads, ranks, slots, FLAGS.replicate)
@@ -169,7 +172,7 @@ def _peer_counts(ids, ranks, placement):
 def _calibrate(ranks, tokens, quantile, placement=None):
     traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks, top_k=FLAGS.top_k,
                                 num_layers=1, num_steps=FLAGS.calibration_steps,
-                                tokens_per_rank=tokens, seed=FLAGS.seed + 1)
+                                tokens_per_rank=tokens, skew=FLAGS.skew, seed=FLAGS.seed + 1)
     if placement is None:
         return mj.calibrate(traces, quantile, num_ranks=ranks, num_experts=FLAGS.experts)
     counts = np.stack([_peer_counts(t.experts, ranks, placement) for t in traces])
@@ -372,13 +375,15 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required (the folder for the results)")
-    start_time = time.time()
-    mesh = _mesh()
-    ranks = mesh.shape["ep"]
+    if FLAGS.skew < 0:
+        raise app.UsageError(f"--skew={FLAGS.skew} must be >= 0")
     if FLAGS.replicate < 0:
         raise app.UsageError(f"--replicate={FLAGS.replicate} must be >= 0")
     if FLAGS.replicate and FLAGS.spare_slots < 1:
         raise app.UsageError(f"--spare_slots={FLAGS.spare_slots} must be >= 1")
+    start_time = time.time()
+    mesh = _mesh()
+    ranks = mesh.shape["ep"]
     if FLAGS.replicate and FLAGS.experts % ranks:
         raise app.UsageError(f"--experts={FLAGS.experts} must be a multiple of the "
                              f"{ranks} devices with --replicate")
@@ -515,7 +520,8 @@ def _write(results, devices, bandwidth, placement, partial):
         alltoall_bandwidth_GBps_per_gpu=bandwidth / 1e9 if bandwidth else None,
         hidden=FLAGS.hidden,
         timing=FLAGS.timing, loop_unroll=FLAGS.loop_unroll, consume=FLAGS.consume,
-        experts=FLAGS.experts, top_k=FLAGS.top_k, steps=FLAGS.steps, partial=partial,
+        experts=FLAGS.experts, top_k=FLAGS.top_k, skew=FLAGS.skew, steps=FLAGS.steps,
+        partial=partial,
         replication=None if placement is None else dict(
             replica_choice=FLAGS.replica_choice, replicate=FLAGS.replicate,
             spare_slots=FLAGS.spare_slots, slots_per_rank=placement.slot_expert.shape[1],

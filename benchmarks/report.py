@@ -37,7 +37,9 @@ def write_report(json_path: str) -> str:
                 f"extensions {meta.get('extension_sha256')}"] if "commit" in meta else []),
              f"- d={meta['hidden']} bf16, E={meta['experts']}, top-{meta['top_k']}, "
              f"{meta['steps']} measured steps per row, fresh routing every step "
-             "(calibrated Mixtral-8x7B trace model)",
+             "(calibrated Mixtral-8x7B trace model"
+             + (f", expert popularity skew {meta['skew']:g} instead of its 0.675)"
+                if meta.get("skew", 0.675) != 0.675 else ")"),
              "- all-to-all bandwidth measured in the same run: "
              + (f"{meta['alltoall_bandwidth_GBps_per_gpu']:.1f} GB/s sent per GPU"
                 if meta.get("alltoall_bandwidth_GBps_per_gpu") else

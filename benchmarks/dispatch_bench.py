@@ -169,14 +169,21 @@ def _peer_counts(ids, ranks, placement):
     return np.bincount(pair.reshape(-1), minlength=ranks * ranks).reshape(ranks, ranks)
 
 
+_SLOT_COUNTS = {}   # (ranks, tokens, placement bytes) -> [steps, P, P] calibration counts
+
+
 def _calibrate(ranks, tokens, quantile, placement=None):
-    traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks, top_k=FLAGS.top_k,
-                                num_layers=1, num_steps=FLAGS.calibration_steps,
-                                tokens_per_rank=tokens, skew=FLAGS.skew, seed=FLAGS.seed + 1)
-    if placement is None:
-        return mj.calibrate(traces, quantile, num_ranks=ranks, num_experts=FLAGS.experts)
-    counts = np.stack([_peer_counts(t.experts, ranks, placement) for t in traces])
-    return mj.calibrate(counts, quantile, num_ranks=ranks)
+    key = None if placement is None else (ranks, tokens, placement.slot_expert.tobytes())
+    if key not in _SLOT_COUNTS:
+        traces = mj.generate_traces(num_experts=FLAGS.experts, num_ranks=ranks,
+                                    top_k=FLAGS.top_k, num_layers=1,
+                                    num_steps=FLAGS.calibration_steps, tokens_per_rank=tokens,
+                                    skew=FLAGS.skew, seed=FLAGS.seed + 1)
+        if placement is None:
+            return mj.calibrate(traces, quantile, num_ranks=ranks, num_experts=FLAGS.experts)
+        _SLOT_COUNTS[key] = np.stack([_peer_counts(t.experts, ranks, placement)
+                                      for t in traces])
+    return mj.calibrate(_SLOT_COUNTS[key], quantile, num_ranks=ranks)
 
 
 def _context(mesh, ranks, transport="lax"):

@@ -260,7 +260,8 @@ def _build(method, phase, ranks, tokens, capacity, spill, experts, mesh, placeme
     fp8 = transport == "nvlink_fp8"
     transport = {"nccl": "custom_call", "": "lax", "lax": "lax", "noguard": "lax",
                  "nvlink": "nvlink", "nvlink_fp8": "nvlink"}[transport]
-    experts_per_rank = placement.slot_expert.shape[1] if placement is not None else FLAGS.experts // ranks
+    experts_per_rank = (placement.slot_expert.shape[1] if placement is not None
+                        else FLAGS.experts // ranks)
     ctx = _context(mesh, ranks, transport)
     num_weights = len(experts) if phase == "layer" else 0
     worst = worst_case_rows_per_peer(tokens, FLAGS.top_k, experts_per_rank)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks.provenance import commit, portable_command, source_digest  # noqa: E402
+from benchmarks.timing import median_seconds_per_call  # noqa: E402
 from moe_jax.async_ep.costs import fine_buckets  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -101,16 +100,7 @@ def _params(key):
 
 
 def _time(fn, *args) -> float:
-    """Median seconds per call of the jitted fn (compiled and warmed first)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(FLAGS.reps):
-        start = time.perf_counter()
-        for _ in range(FLAGS.iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - start) / FLAGS.iters)
-    return statistics.median(runs)
+    return median_seconds_per_call(fn, *args, reps=FLAGS.reps, iters=FLAGS.iters)
 
 
 def measure() -> dict:

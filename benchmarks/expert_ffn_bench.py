@@ -47,6 +47,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.provenance import commit, extension_digest, portable_command, source_digest
+from benchmarks.timing import median_seconds_per_call
 from moe_jax import cli
 
 FLAGS = flags.FLAGS
@@ -69,16 +70,7 @@ flags.DEFINE_bool("pallas_child", False, "Internal: time the Pallas baseline and
 
 
 def _time_jax(fn, *args) -> float:
-    """Median seconds per call of the jitted fn (compiled and warmed first)."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(FLAGS.reps):
-        start = time.perf_counter()
-        for _ in range(FLAGS.iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - start) / FLAGS.iters)
-    return statistics.median(runs)
+    return median_seconds_per_call(fn, *args, reps=FLAGS.reps, iters=FLAGS.iters)
 
 
 def _time_torch(fn) -> float:

@@ -200,7 +200,7 @@ def markdown(meta, groups):
              f"- commit: {meta['commit']}; sources {meta['source_digest']}",
              f"- host: {meta['host']}; simulation wall time {meta['wall_s']:.0f} s",
              f"- workload: `{json.dumps(meta['workload_config'])}`",
-             f"- flags: `{json.dumps(meta['flags'])}`",
+             f"- flags: `{json.dumps(dict(meta['flags'], out='OUT_DIR'))}`",
              f"- expert cost: {meta['costs']['model']['expert']}",
              f"- attention cost: {meta['costs']['model']['attention']}"
              + (" (MODELLED, not measured)" if meta['costs']['model']['attention'].startswith(

@@ -34,6 +34,7 @@ import numpy as np
 
 from moe_jax import manual_axes
 from moe_jax.experts import ExpertWeights
+from moe_jax.ordering import depend_on, opaque_zero
 from moe_jax.plan import kept_picks
 from moe_jax.replication import Placement, PlacementArrays, choose_replica
 
@@ -205,21 +206,6 @@ def _tie_bwd(g, local_experts, slot_expert, num_experts, psum):
     return jnp.where(keep, tied, g)
 
 
-def _opaque_zero(x: jax.Array) -> jax.Array:
-    """An int32 0 computed from x's first element, which XLA cannot fold."""
-    first = x.reshape(-1)[:1]
-    if first.size == 0:
-        return jnp.zeros((), jnp.int32)
-    width = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize]
-    value = jax.lax.bitcast_convert_type(first, width)[0].astype(jnp.int32)
-    return jnp.minimum(jnp.bitwise_and(value, 0x7FFF), 0)
-
-
-def _after(tree, zero: jax.Array):
-    """`tree` unchanged bit for bit, but computed after `zero` is known."""
-    return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), tree)
-
-
 def tie_copies(weights: ExpertWeights, tokens: jax.Array, placement: PlacementArrays,
                local_experts: jax.Array, psum: Callable | None = None
                ) -> tuple[ExpertWeights, jax.Array]:
@@ -256,11 +242,11 @@ def tie_copies(weights: ExpertWeights, tokens: jax.Array, placement: PlacementAr
         local_experts, slot_expert = res
         g_w, g_x = cotangents
         if psum is not None:
-            g_w = _after(g_w, _opaque_zero(g_x))
+            g_w = depend_on(g_w, opaque_zero(g_x))
         g_w = jax.tree.map(
             lambda g: _tie_bwd(g, local_experts, slot_expert, num_experts, reduce), g_w)
         if psum is not None:
-            g_x = _after(g_x, _opaque_zero(jax.tree.leaves(g_w)[0]))
+            g_x = depend_on(g_x, opaque_zero(jax.tree.leaves(g_w)[0]))
         float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
         return g_w, g_x, float0(local_experts), float0(slot_expert)
 

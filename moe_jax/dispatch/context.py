@@ -10,21 +10,7 @@ import jax.numpy as jnp
 
 from moe_jax import custom_calls, manual_axes
 from moe_jax.fast import transport as fast_transport
-
-
-def _opaque_zero(x: jax.Array) -> jax.Array:
-    """An int32 0 computed from x's first element, which XLA cannot fold."""
-    first = x.reshape(-1)[:1]
-    if first.size == 0:
-        return jnp.zeros((), jnp.int32)
-    width = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[first.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(first, width)[0].astype(jnp.int32)
-    return jnp.minimum(jnp.bitwise_and(bits, 0x7FFF), 0)
-
-
-def _depend_on(tree, zero: jax.Array):
-    """`tree` unchanged bit for bit, but computed after `zero` is known."""
-    return jax.tree.map(lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a)), tree)
+from moe_jax.ordering import depend_on, opaque_zero
 
 
 def xla_ragged_all_to_all(send, send_offsets, send_sizes, recv_offsets, recv_rows, axis_name):
@@ -141,10 +127,10 @@ class DispatchContext:
         if not self._orders_collectives:
             return tree
         if self._chain:
-            tree = _depend_on(tree, self._chain[-1])
+            tree = depend_on(tree, self._chain[-1])
         leaves = jax.tree.leaves(tree)
         if leaves:
-            self._chain[:] = [_opaque_zero(leaves[0])]
+            self._chain[:] = [opaque_zero(leaves[0])]
         return tree
 
     def _collective(self, fn, *args):
@@ -153,7 +139,7 @@ class DispatchContext:
         out = fn(*self.chain_after(args))
         leaves = jax.tree.leaves(out)
         if leaves:  # the results stay untouched (a psum stays replicated)
-            self._chain[:] = [_opaque_zero(leaves[0])]
+            self._chain[:] = [opaque_zero(leaves[0])]
         return out
 
     def all_to_all(self, x: jax.Array) -> jax.Array:

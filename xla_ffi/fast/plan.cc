@@ -852,23 +852,21 @@ PlanStatus StagedPlanner::BuildRankOwned(int num_servers, int gpus_per_server,
   }
   if (ws_rows < WorkspaceBound(rows_in, rows_out, num_servers,
                                gpus_per_server)) {
-    if (PlanStatus s =
-            CheckedRank(num_servers, gpus_per_server, ws_rows, rank, out);
+    if (PlanStatus s = CheckWorkspaceUse(num_servers, gpus_per_server, ws_rows);
         !s.ok()) {
       return s;
     }
-  } else {
-    if (std::string err =
-            scheduler_.Schedule(traffic_.data(), num_servers, gpus_per_server,
-                                true, &schedule_, rank);
-        !err.empty()) {
-      return {PlanFailure::kTraffic, err};
-    }
-    if (std::string err =
-            rank_planner_.Plan(traffic_.data(), schedule_, rank, out);
-        !err.empty()) {
-      return {PlanFailure::kInternal, err};
-    }
+  }
+  if (std::string err =
+          scheduler_.Schedule(traffic_.data(), num_servers, gpus_per_server,
+                              true, &schedule_, rank);
+      !err.empty()) {
+    return {PlanFailure::kTraffic, err};
+  }
+  if (std::string err =
+          rank_planner_.Plan(traffic_.data(), schedule_, rank, out);
+      !err.empty()) {
+    return {PlanFailure::kInternal, err};
   }
   if (std::string err = CheckProgram(*out, rows_in, rows_out, ws_rows);
       !err.empty()) {
@@ -897,10 +895,10 @@ void WorkspaceUse(const FastSchedule& schedule, std::vector<int64_t>* use) {
 
 // Below the proven bound a rank cannot know from its own part whether
 // every rank fits, so every rank schedules every GPU's rows and checks each
-// GPU's workspace use; then plans its own program as above.
-PlanStatus StagedPlanner::CheckedRank(int num_servers, int gpus_per_server,
-                                      int64_t ws_rows, int rank,
-                                      RankProgram* out) {
+// GPU's workspace use before planning its own program.
+PlanStatus StagedPlanner::CheckWorkspaceUse(int num_servers,
+                                            int gpus_per_server,
+                                            int64_t ws_rows) {
   if (std::string err = scheduler_.Schedule(traffic_.data(), num_servers,
                                             gpus_per_server, true, &schedule_);
       !err.empty()) {
@@ -915,17 +913,6 @@ PlanStatus StagedPlanner::CheckedRank(int num_servers, int gpus_per_server,
                   " workspace rows, the workspace has " +
                   std::to_string(ws_rows)};
     }
-  }
-  if (std::string err =
-          scheduler_.Schedule(traffic_.data(), num_servers, gpus_per_server,
-                              true, &schedule_, rank);
-      !err.empty()) {
-    return {PlanFailure::kTraffic, err};
-  }
-  if (std::string err =
-          rank_planner_.Plan(traffic_.data(), schedule_, rank, out);
-      !err.empty()) {
-    return {PlanFailure::kInternal, err};
   }
   return {};
 }

@@ -289,15 +289,15 @@ class StagedPlanner {
   PlanStatus BuildRankOwned(int num_servers, int gpus_per_server,
                             int64_t rows_in, int64_t rows_out, int64_t ws_rows,
                             int rank, RankProgram* out);
-  PlanStatus CheckedRank(int num_servers, int gpus_per_server,
-                         int64_t ws_rows, int rank, RankProgram* out);
+  PlanStatus CheckWorkspaceUse(int num_servers, int gpus_per_server,
+                               int64_t ws_rows);
   std::vector<int64_t> traffic_;
   FastScheduler scheduler_;
   FastSchedule schedule_;
   ExecutionPlanner planner_;
   ExecutionPlan plan_;
   RankPlanner rank_planner_;
-  std::vector<int64_t> use_;  // every GPU's workspace rows (CheckedRank)
+  std::vector<int64_t> use_;  // every GPU's workspace rows (CheckWorkspaceUse)
 };
 
 }  // namespace moe_jax::fast

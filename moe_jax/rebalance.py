@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_jax.replication import (DEFAULT_ALPHA, DEFAULT_NUM_REPLICATED, LoadTracker, Placement,
-                                 propose)
+                                 propose, require_state_keys)
 
 __all__ = ["Rebalancer", "move_slots"]
 
@@ -123,9 +123,7 @@ class Rebalancer:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Rebalancer":
-        for key in ("placement", "load", "num_replicated"):
-            if key not in state:
-                raise ValueError(f"state: missing {key!r}")
+        require_state_keys(state, ("placement", "load", "num_replicated"))
         placement = Placement.from_state(state["placement"])
         tracker = LoadTracker.from_state(state["load"])
         out = cls(placement.num_experts, placement.num_ranks, placement.slots_per_rank,

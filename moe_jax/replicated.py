@@ -38,8 +38,8 @@ from moe_jax.ordering import depend_on, opaque_zero
 from moe_jax.plan import kept_picks
 from moe_jax.replication import Placement, PlacementArrays, choose_replica
 
-__all__ = ["balanced_sizes", "balanced_slot_ids", "check_placement", "dense_slot_ids", "logical_weights", "slot_ids", "slot_weights",
-           "tie_copies"]
+__all__ = ["balanced_sizes", "balanced_slot_ids", "check_placement", "dense_slot_ids",
+           "logical_weights", "slot_ids", "slot_weights", "tie_copies"]
 
 
 def check_placement(placement: PlacementArrays, num_experts: int, num_ranks: int | None,

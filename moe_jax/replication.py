@@ -98,6 +98,13 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def require_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """ValueError naming the first of `keys` a checkpointed `state` lacks."""
+    for key in keys:
+        if key not in state:
+            raise ValueError(f"state: missing {key!r}")
+
+
 # --------------------------------------------------------------------------
 # Placement
 # --------------------------------------------------------------------------
@@ -332,9 +339,7 @@ class Placement:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Placement":
-        for key in ("slot_expert", "num_experts"):
-            if key not in state:
-                raise ValueError(f"state: missing {key!r}")
+        require_state_keys(state, ("slot_expert", "num_experts"))
         return cls(np.asarray(state["slot_expert"]), int(np.asarray(state["num_experts"])))
 
 
@@ -464,9 +469,7 @@ class LoadTracker:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "LoadTracker":
-        for key in ("ema", "alpha", "num_updates"):
-            if key not in state:
-                raise ValueError(f"state: missing {key!r}")
+        require_state_keys(state, ("ema", "alpha", "num_updates"))
         ema = np.asarray(state["ema"], np.float64)
         if ema.ndim != 1:
             raise ValueError(f"state: ema must be 1-D, got shape {ema.shape}")

@@ -112,27 +112,26 @@ def balanced_sizes(counts: jax.Array, placement: PlacementArrays) -> jax.Array:
     single = num == 1
     load = jnp.zeros((P,), jnp.int32).at[holder[:, 0]].add(jnp.where(single, total, 0))
     sizes = jnp.zeros((E, P), jnp.int32).at[:, 0].set(jnp.where(single, total, 0))
-    order = jnp.argsort(-total, stable=True)
     big = jnp.iinfo(jnp.int32).max // 2
+    # Only replicated experts move the levels; each takes at least one extra
+    # slot, so at most P * S - E of them, visited by decreasing rows (ties:
+    # lower id) as the reference visits them.
+    steps = max(1, min(E, placement.num_slots - E))
+    order = jnp.argsort(jnp.where(single, big, -total), stable=True)[:steps]
+    rank_of = jnp.arange(1, P + 1, dtype=jnp.int32)
 
     def step(i, carry):
         load, sizes = carry
         e = order[i]
         rows, h, v = total[e], holder[e], valid[e]
         lv = load[h]
-
-        def fill(lam):
-            return jnp.sum(jnp.where(v, jnp.maximum(lam - lv, 0), 0))
-
-        def bisect(_, bounds):
-            lo, hi = bounds
-            mid = (lo + hi) // 2
-            ok = fill(mid) >= rows
-            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-
-        lo = jnp.min(jnp.where(v, lv, big))
-        hi = jnp.max(jnp.where(v, lv, 0)) + rows
-        lam, _ = jax.lax.fori_loop(0, 32, bisect, (lo, hi))
+        # Smallest integer lam with sum_j max(lam - lv_j, 0) >= rows: over the
+        # holders sorted by load, the fill of the j lowest reaches rows at
+        # ceil((rows + their load) / j); lam is the least of these.
+        sorted_lv = jnp.sort(jnp.where(v, lv, big))
+        prefix = jnp.cumsum(jnp.where(sorted_lv < big, sorted_lv, 0))
+        level = (rows + prefix + rank_of - 1) // rank_of
+        lam = jnp.min(jnp.where(sorted_lv < big, level, big))
         base = jnp.where(v, jnp.maximum(lam - 1 - lv, 0), 0)
         rest = rows - jnp.sum(base)
         eligible = v & (lv <= lam - 1)
@@ -142,7 +141,9 @@ def balanced_sizes(counts: jax.Array, placement: PlacementArrays) -> jax.Array:
         sizes = jnp.where(single[e], sizes, sizes.at[e].set(share))
         return load, sizes
 
-    _, sizes = jax.lax.fori_loop(0, E, step, (load, sizes))
+    # Unrolled: a device-side loop pays a host round trip per iteration.
+    _, sizes = jax.lax.fori_loop(0, steps, step, (load, sizes),
+                                 unroll=True if steps <= 32 else 8)
     return sizes
 
 

@@ -118,20 +118,23 @@ def balanced_sizes(counts: jax.Array, placement: PlacementArrays) -> jax.Array:
     # lower id) as the reference visits them.
     steps = max(1, min(E, placement.num_slots - E))
     order = jnp.argsort(jnp.where(single, big, -total), stable=True)[:steps]
-    rank_of = jnp.arange(1, P + 1, dtype=jnp.int32)
+    index = jnp.arange(P, dtype=jnp.int32)
 
     def step(i, carry):
         load, sizes = carry
         e = order[i]
         rows, h, v = total[e], holder[e], valid[e]
         lv = load[h]
-        # Smallest integer lam with sum_j max(lam - lv_j, 0) >= rows: over the
-        # holders sorted by load, the fill of the j lowest reaches rows at
-        # ceil((rows + their load) / j); lam is the least of these.
-        sorted_lv = jnp.sort(jnp.where(v, lv, big))
-        prefix = jnp.cumsum(jnp.where(sorted_lv < big, sorted_lv, 0))
-        level = (rows + prefix + rank_of - 1) // rank_of
-        lam = jnp.min(jnp.where(sorted_lv < big, level, big))
+        # Smallest integer lam with sum_j max(lam - lv_j, 0) >= rows: the fill
+        # of the holders at or below holder j (by load, then index) reaches
+        # rows at ceil((rows + their load) / their number); lam is the least
+        # of these. Pairwise over the P holders: no sort on the device.
+        below = v[None, :] & ((lv[None, :] < lv[:, None]) |
+                              ((lv[None, :] == lv[:, None]) & (index[None, :] <= index[:, None])))
+        num_below = jnp.sum(below, axis=1, dtype=jnp.int32)
+        load_below = jnp.sum(jnp.where(below, lv[None, :], 0), axis=1)
+        level = (rows + load_below + num_below - 1) // jnp.maximum(num_below, 1)
+        lam = jnp.min(jnp.where(v, level, big))
         base = jnp.where(v, jnp.maximum(lam - 1 - lv, 0), 0)
         rest = rows - jnp.sum(base)
         eligible = v & (lv <= lam - 1)

@@ -226,7 +226,9 @@ class ProductionCosts:
 
     def _use_gpu_costs(self, path: str):
         """Every kind from a `benchmarks/async_ep_costs_gpu.py` record (one GPU,
-        one execution per bucket), interpolated linearly onto the buckets."""
+        one execution per timed bucket, a coarse subset of the buckets),
+        interpolated linearly onto the buckets. A partial record (its run
+        stopped at its time budget) is used as it is and named so in `model`."""
         with open(path) as f:
             record = json.load(f)
         meta = record["meta"]
@@ -234,13 +236,18 @@ class ProductionCosts:
         if xs[-1] < self.buckets[-1]:
             raise ValueError(f"gpu_costs: {path} stops at {xs[-1]} rows, the envelopes need "
                              f"{self.buckets[-1]}")
+        partial = ""
+        if meta.get("complete") is False:
+            partial = (f", PARTIAL record: {meta.get('measured')} of "
+                       f"{len(meta.get('planned_buckets', []))} planned buckets")
         for kind in tk.KINDS:
             ys = [float(v) for v in record[f"{kind}_s"]]
             env = CostEnvelope(self.buckets, [interpolate(xs, ys, b) for b in self.buckets])
             setattr(self, {tk.ATTENTION: "attention", tk.EXPERT: "expert",
                            tk.SAMPLER: "sampler"}[kind], env)
             self.model[kind] = (f"measured: {path} ({meta['device']}, {meta['date']}, commit "
-                                f"{meta['commit']}), shape {json.dumps(meta['shape'])}")
+                                f"{meta['commit']}), shape {json.dumps(meta['shape'])}, "
+                                f"{len(xs)} timed buckets interpolated{partial}")
         self.source = {**self.source, "gpu_costs": path, "gpu_costs_meta": meta}
 
     def of(self, kind: str) -> CostEnvelope:

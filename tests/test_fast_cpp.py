@@ -123,3 +123,25 @@ def test_cpp_per_gpu_rows_for_every_gpu(n, m):
     full = cpp.schedule_arrays(t, n, m)
     for gpu in range(g):
       _assert_gpu_rows(t, n, m, gpu, full)
+
+
+@given(traffic_cases())
+def test_cpp_ranges_form_decodes_to_the_rows(case):
+  # The ranges form (what `full` times) holds the whole schedule: decoded
+  # in Python from its arrays and the traffic alone, it gives the rows.
+  t, n, m = case
+  full = cpp.schedule_arrays(t, n, m)
+  d = cpp.schedule_arrays(t, n, m, ranges=True)
+  for key in ("matchings", "weights", "real", "server_matrix"):
+    np.testing.assert_array_equal(d[key], full[key])
+  transfers, redistribution = cpp.rows_from_ranges(t, d)
+  np.testing.assert_array_equal(transfers, full["transfers"])
+  np.testing.assert_array_equal(redistribution, full["redistribution"])
+  # Every GPU's workspace use from the ranges, as the fallback below the
+  # workspace bound computes it, equals the whole plan's.
+  np.testing.assert_array_equal(cpp.workspace_use(t, n, m),
+                                cpp.execution_plan(t, n, m).workspace_used)
+  ns = cpp.time_schedule(t, n, m, repeats=2, ranges=True)
+  assert ns.shape == (2,)
+  with pytest.raises(ValueError, match="ranges needs"):
+    cpp.schedule_arrays(t, n, m, gpu=0, ranges=True)

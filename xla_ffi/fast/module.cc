@@ -139,15 +139,20 @@ NB_MODULE(_fast, m) {
   m.def(
       "schedule",
       [](Matrix traffic, int num_servers, int gpus_per_server,
-         bool with_transfers, int64_t gpu) {
+         bool with_transfers, int64_t gpu, bool ranges) {
         CheckShape(traffic, num_servers, gpus_per_server);
+        if (ranges && (!with_transfers || gpu != -1)) {
+          throw nb::value_error("ranges needs with_transfers and gpu = -1");
+        }
         FastSchedule out;
         std::string err;
         {
           nb::gil_scoped_release release;
-          err = Scheduler().Schedule(traffic.data(), num_servers,
-                                     gpus_per_server, with_transfers, &out,
-                                     gpu);
+          err = ranges ? Scheduler().ScheduleRanges(traffic.data(), num_servers,
+                                                    gpus_per_server, &out)
+                       : Scheduler().Schedule(traffic.data(), num_servers,
+                                              gpus_per_server, with_transfers,
+                                              &out, gpu);
         }
         if (!err.empty()) throw nb::value_error(err.c_str());
         const size_t n = num_servers, s = out.num_stages;
@@ -166,18 +171,32 @@ NB_MODULE(_fast, m) {
         d["redistribution"] =
             ToNumpy(std::move(out.redistribution),
                     {r, size_t{moe_jax::fast::kTransferCols}});
+        if (ranges) {
+          const size_t g = static_cast<size_t>(num_servers) * gpus_per_server;
+          d["lane_units"] = ToNumpy(std::move(out.lane_units), {g, n});
+          d["pair_sent"] = ToNumpy(std::move(out.pair_sent), {s, n});
+          d["balance_begin"] =
+              ToNumpy(std::move(out.balance_begin), {n * n + 1});
+        }
         return d;
       },
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       nb::arg("with_transfers") = true, nb::arg("gpu") = -1,
+      nb::arg("ranges") = false,
       "Schedules int64[G, G] traffic; returns a dict of numpy arrays. "
-      "gpu >= 0 keeps only the transfers that GPU sends or receives.");
+      "gpu >= 0 keeps only the transfers that GPU sends or receives; "
+      "ranges: the full schedule in the ranges form (scheduler.h: transfers "
+      "holds the balancing rows alone, redistribution is empty; plus "
+      "lane_units, pair_sent and balance_begin).");
   m.def(
       "time_schedule",
       [](Matrix traffic, int num_servers, int gpus_per_server, int repeats,
-         bool with_transfers, int64_t gpu) {
+         bool with_transfers, int64_t gpu, bool ranges) {
         CheckShape(traffic, num_servers, gpus_per_server);
         if (repeats < 1) throw nb::value_error("repeats must be >= 1");
+        if (ranges && (!with_transfers || gpu != -1)) {
+          throw nb::value_error("ranges needs with_transfers and gpu = -1");
+        }
         std::vector<double> ns(repeats);
         FastSchedule out;
         std::string err;
@@ -185,9 +204,12 @@ NB_MODULE(_fast, m) {
           nb::gil_scoped_release release;
           for (int r = 0; r < repeats && err.empty(); ++r) {
             const auto t0 = std::chrono::steady_clock::now();
-            err = Scheduler().Schedule(traffic.data(), num_servers,
-                                       gpus_per_server, with_transfers, &out,
-                                       gpu);
+            err = ranges ? Scheduler().ScheduleRanges(
+                               traffic.data(), num_servers, gpus_per_server,
+                               &out)
+                         : Scheduler().Schedule(traffic.data(), num_servers,
+                                                gpus_per_server,
+                                                with_transfers, &out, gpu);
             const auto t1 = std::chrono::steady_clock::now();
             ns[r] = std::chrono::duration<double, std::nano>(t1 - t0).count();
           }
@@ -197,13 +219,17 @@ NB_MODULE(_fast, m) {
       },
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       nb::arg("repeats"), nb::arg("with_transfers") = true,
-      nb::arg("gpu") = -1,
+      nb::arg("gpu") = -1, nb::arg("ranges") = false,
       "Runs the scheduler `repeats` times (buffers reused, as in a serving "
-      "loop); returns the wall time of each run in nanoseconds.");
+      "loop); returns the wall time of each run in nanoseconds.  ranges: "
+      "the full schedule in the ranges form.");
   m.def(
       "time_schedule_each",
       [](Matrices traffics, int num_servers, int gpus_per_server,
-         bool with_transfers, int64_t gpu, int buffers) {
+         bool with_transfers, int64_t gpu, int buffers, bool ranges) {
+        if (ranges && (!with_transfers || gpu != -1)) {
+          throw nb::value_error("ranges needs with_transfers and gpu = -1");
+        }
         const size_t g = static_cast<size_t>(num_servers) * gpus_per_server;
         if (num_servers < 1 || gpus_per_server < 1 ||
             traffics.shape(1) != g || traffics.shape(2) != g) {
@@ -231,8 +257,10 @@ NB_MODULE(_fast, m) {
             }
             for (size_t j = 0; j < evict.size(); j += 8) evict[j] += 1;
             const auto t0 = std::chrono::steady_clock::now();
-            err = sched->Schedule(t, num_servers, gpus_per_server,
-                                  with_transfers, out.get(), gpu);
+            err = ranges ? sched->ScheduleRanges(t, num_servers,
+                                                 gpus_per_server, out.get())
+                         : sched->Schedule(t, num_servers, gpus_per_server,
+                                           with_transfers, out.get(), gpu);
             const auto t1 = std::chrono::steady_clock::now();
             ns[i] = std::chrono::duration<double, std::nano>(t1 - t0).count();
           }
@@ -242,12 +270,13 @@ NB_MODULE(_fast, m) {
       },
       nb::arg("traffics"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       nb::arg("with_transfers") = true, nb::arg("gpu") = -1,
-      nb::arg("buffers") = 0,
+      nb::arg("buffers") = 0, nb::arg("ranges") = false,
       "Schedules each of K matrices once; returns each call's wall time in "
       "nanoseconds.  buffers: 0 one scheduler reused (warm), 1 the same "
       "after 64 MiB of other writes before each call (cold caches), 2 a "
       "new scheduler and output per call after those writes (its buffers "
-      "allocated and first touched inside the timed call).");
+      "allocated and first touched inside the timed call).  ranges: the "
+      "full schedule in the ranges form.");
   m.def(
       "spreadout_time",
       [](Matrix x) {
@@ -285,6 +314,29 @@ NB_MODULE(_fast, m) {
       nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
       "Execution plan of the FAST schedule (see xla_ffi/fast/plan.h): dict "
       "with ops int64[K, 11], num_phases and workspace_used int64[G].");
+  m.def(
+      "workspace_use",
+      [](Matrix traffic, int num_servers, int gpus_per_server) {
+        CheckShape(traffic, num_servers, gpus_per_server);
+        std::vector<int64_t> use;
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          FastSchedule out;
+          err = Scheduler().ScheduleRanges(traffic.data(), num_servers,
+                                           gpus_per_server, &out);
+          if (err.empty()) {
+            moe_jax::fast::WorkspaceUseOfRanges(traffic.data(), out, &use);
+          }
+        }
+        if (!err.empty()) throw nb::value_error(err.c_str());
+        const size_t g = use.size();
+        return ToNumpy(std::move(use), {g});
+      },
+      nb::arg("traffic"), nb::arg("num_servers"), nb::arg("gpus_per_server"),
+      "int64[G]: workspace rows each GPU's plan uses, from the full "
+      "schedule's ranges form (what a rank checks below the workspace "
+      "bound).");
   m.def(
       "rank_program",
       [](Matrix traffic, int num_servers, int gpus_per_server, int rank,

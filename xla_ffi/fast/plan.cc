@@ -894,17 +894,17 @@ void WorkspaceUse(const FastSchedule& schedule, std::vector<int64_t>* use) {
 }
 
 // Below the proven bound a rank cannot know from its own part whether
-// every rank fits, so every rank schedules every GPU's rows and checks each
-// GPU's workspace use before planning its own program.
+// every rank fits, so every rank builds the full schedule (ranges form)
+// and checks each GPU's workspace use before planning its own program.
 PlanStatus StagedPlanner::CheckWorkspaceUse(int num_servers,
                                             int gpus_per_server,
                                             int64_t ws_rows) {
-  if (std::string err = scheduler_.Schedule(traffic_.data(), num_servers,
-                                            gpus_per_server, true, &schedule_);
+  if (std::string err = scheduler_.ScheduleRanges(
+          traffic_.data(), num_servers, gpus_per_server, &schedule_);
       !err.empty()) {
     return {PlanFailure::kTraffic, err};
   }
-  WorkspaceUse(schedule_, &use_);
+  WorkspaceUseOfRanges(traffic_.data(), schedule_, &use_);
   for (size_t g = 0; g < use_.size(); ++g) {
     if (use_[g] > ws_rows) {
       return {PlanFailure::kWorkspace,

@@ -26,66 +26,53 @@ inline T* GrowTo(std::vector<T>* v, size_t need) {
   return v->data();
 }
 
-// sums[i]: the sum of the M entries at tile + i * stride, for i < M.
-template <int M>
-inline void RowSums(const int64_t* __restrict tile, int64_t stride,
-                    int64_t* __restrict sums) {
-  for (int i = 0; i < M; ++i) {
-    const int64_t* row = tile + i * stride;
-    int64_t sum = 0;
-    for (int h = 0; h < M; ++h) sum += row[h];
-    sums[i] = sum;
-  }
-}
-
 }  // namespace
 
-// D[a, b]: sum of the a -> b tile, zero diagonal.  The M rows of server a
-// are added elementwise, four per pass (vectorises), then each tile's M
-// columns.  Returns
-// the OR of all entries (negative iff one of them is).
+// lane_units[s, b]: GPU s's units for server b (the M entries of its row
+// in tile (s / M, b)); D[a, b]: their sum over the GPUs of a, zero
+// diagonal.  Returns the OR of all entries (negative iff one of them is).
+template <int M>
+static int64_t TileRowSums(const int64_t* __restrict traffic, int n, int m,
+                           int64_t* __restrict units) {
+  const int mm = M > 0 ? M : m;
+  const int64_t g = static_cast<int64_t>(n) * mm;
+  int64_t any_sign = 0;
+  for (int64_t s = 0; s < g; ++s) {
+    const int64_t* __restrict row = traffic + s * g;
+    int64_t* __restrict u = units + s * n;
+    for (int b = 0; b < n; ++b) {
+      const int64_t* __restrict t = row + static_cast<int64_t>(b) * mm;
+      int64_t sum = 0, sign = 0;
+      for (int h = 0; h < mm; ++h) {
+        sum += t[h];
+        sign |= t[h];
+      }
+      u[b] = sum;
+      any_sign |= sign;
+    }
+  }
+  return any_sign;
+}
+
 int64_t FastScheduler::ServerMatrix(const int64_t* traffic,
                                     FastSchedule* out) {
   const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
   out->server.resize(static_cast<size_t>(n) * n);
-  rowacc_.resize(g);
-  int64_t* __restrict acc = rowacc_.data();
-  int64_t any_sign = 0;
+  out->lane_units.resize(static_cast<size_t>(g) * n);
+  int64_t* __restrict units = out->lane_units.data();
+  units_ = units;
+  const int64_t any_sign =
+      m == 8 ? TileRowSums<8>(traffic, n, m, units)
+             : (m == 4 ? TileRowSums<4>(traffic, n, m, units)
+                       : TileRowSums<0>(traffic, n, m, units));
   for (int a = 0; a < n; ++a) {
-    const int64_t* __restrict row = traffic + static_cast<int64_t>(a) * m * g;
-    int i = 0;
-    for (; i + 4 <= m; i += 4) {  // four rows per pass over acc
-      const int64_t* __restrict r0 = row + i * g;
-      const int64_t* __restrict r1 = r0 + g;
-      const int64_t* __restrict r2 = r1 + g;
-      const int64_t* __restrict r3 = r2 + g;
-      if (i == 0) {
-        for (int64_t h = 0; h < g; ++h) {
-          acc[h] = (r0[h] + r1[h]) + (r2[h] + r3[h]);
-          any_sign |= (r0[h] | r1[h]) | (r2[h] | r3[h]);
-        }
-      } else {
-        for (int64_t h = 0; h < g; ++h) {
-          acc[h] += (r0[h] + r1[h]) + (r2[h] + r3[h]);
-          any_sign |= (r0[h] | r1[h]) | (r2[h] | r3[h]);
-        }
-      }
-    }
-    for (; i < m; ++i) {
-      const int64_t* __restrict r0 = row + i * g;
-      if (i == 0) {
-        for (int64_t h = 0; h < g; ++h) acc[h] = r0[h];
-      } else {
-        for (int64_t h = 0; h < g; ++h) acc[h] += r0[h];
-      }
-      for (int64_t h = 0; h < g; ++h) any_sign |= r0[h];
-    }
-    int64_t* drow = out->server.data() + static_cast<int64_t>(a) * n;
-    for (int b = 0; b < n; ++b) {
-      int64_t sum = 0;
-      for (int h = 0; h < m; ++h) sum += acc[static_cast<int64_t>(b) * m + h];
-      drow[b] = sum;
+    int64_t* __restrict drow = out->server.data() + static_cast<int64_t>(a) * n;
+    const int64_t* __restrict u = units + static_cast<int64_t>(a) * m * n;
+    for (int b = 0; b < n; ++b) drow[b] = u[b];
+    for (int i = 1; i < m; ++i) {
+      const int64_t* __restrict ui = u + static_cast<int64_t>(i) * n;
+      for (int b = 0; b < n; ++b) drow[b] += ui[b];
     }
     drow[a] = 0;
   }
@@ -297,9 +284,21 @@ void FastScheduler::OrderStages(FastSchedule* out) {
   const int first = static_cast<int>(
       std::min_element(order_size_.begin(), order_size_.end()) -
       order_size_.begin());
-  std::stable_sort(order_.begin(), order_.end(), [&](int x, int y) {
-    return order_size_[x] > order_size_[y];
-  });
+  // Stable by size, descending (ties by index: no buffer to allocate).
+  const auto before = [&](int x, int y) {
+    return order_size_[x] > order_size_[y] ||
+           (order_size_[x] == order_size_[y] && x < y);
+  };
+  if (s <= 32) {
+    for (int i = 1; i < s; ++i) {
+      const int x = order_[i];
+      int j = i;
+      for (; j > 0 && before(x, order_[j - 1]); --j) order_[j] = order_[j - 1];
+      order_[j] = x;
+    }
+  } else {
+    std::sort(order_.begin(), order_.end(), before);
+  }
   std::rotate(order_.begin(), std::find(order_.begin(), order_.end(), first),
               std::find(order_.begin(), order_.end(), first) + 1);
   const size_t sn = static_cast<size_t>(s) * n;
@@ -351,6 +350,15 @@ void FastScheduler::OrderStages(FastSchedule* out) {
 std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
                                     int gpus_per_server, bool with_transfers,
                                     FastSchedule* out, int64_t gpu) {
+  if (with_transfers && gpu == -1) {
+    if (std::string err =
+            ScheduleRanges(traffic, num_servers, gpus_per_server, out);
+        !err.empty()) {
+      return err;
+    }
+    ExpandRows(traffic, out);
+    return {};
+  }
   if (num_servers < 1) return "num_servers must be >= 1";
   if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
   const int n = n_ = num_servers;
@@ -366,26 +374,127 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
   OrderStages(out);
   out->transfers.clear();
   out->redistribution.clear();
+  out->pair_sent.clear();
+  out->balance_begin.clear();
+  out->rows = with_transfers;
   if (with_transfers) BuildTransfers(traffic, out);
   return {};
 }
 
-// have_[i]: GPU i's units of pair (a, b) (its row of the tile at tile0);
-// want_[l]: units u < big with (u + a + b) % m == l, the lane's share.
-void FastScheduler::LaneShares(const int64_t* tile0, int a, int b,
-                               int64_t big) {
-  const int m = m_;
-  const int64_t g = static_cast<int64_t>(n_) * m;
-  if (m == 8) {
-    RowSums<8>(tile0, g, have_.data());
-  } else {
-    for (int i = 0; i < m; ++i) {
-      const int64_t* tile = tile0 + i * g;
-      int64_t sum = 0;
-      for (int h = 0; h < m; ++h) sum += tile[h];
-      have_[i] = sum;
+std::string FastScheduler::ScheduleRanges(const int64_t* traffic,
+                                          int num_servers,
+                                          int gpus_per_server,
+                                          FastSchedule* out) {
+  if (num_servers < 1) return "num_servers must be >= 1";
+  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
+  const int n = n_ = num_servers;
+  const int m = m_ = gpus_per_server;
+  gpu_ = -1;
+  out->num_servers = n;
+  out->gpus_per_server = m;
+  if (ServerMatrix(traffic, out) < 0) return "traffic must be non-negative";
+  Pad(out);
+  if (!Decompose(out)) return "internal error: no perfect matching";
+  OrderStages(out);
+  out->transfers.clear();
+  out->redistribution.clear();
+  out->rows = false;
+  const size_t nn = static_cast<size_t>(n) * n;
+  have_.resize(m);
+  want_.resize(m);
+  lanes_.resize(2 * static_cast<size_t>(m) + 2);
+  excess_.resize(m);
+  out->balance_begin.resize(nn + 1);
+  int64_t* begin = out->balance_begin.data();
+  const int64_t* d = out->server.data();
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      const size_t p = static_cast<size_t>(a) * n + b;
+      begin[p] = static_cast<int64_t>(out->transfers.size()) / kTransferCols;
+      if (a != b && d[p] > 0) BalanceRanges(traffic, a, b, d[p], &out->transfers);
     }
   }
+  begin[nn] = static_cast<int64_t>(out->transfers.size()) / kTransferCols;
+  PairSent(out);
+  return {};
+}
+
+// pair_sent[k, a]: units of pair (a, matchings[k, a]) sent before stage k.
+void FastScheduler::PairSent(FastSchedule* out) {
+  const int n = n_, s = out->num_stages;
+  sent_.assign(static_cast<size_t>(n) * n, 0);
+  out->pair_sent.resize(static_cast<size_t>(s) * n);
+  int64_t* sent = sent_.data();
+  for (int k = 0; k < s; ++k) {
+    const int64_t* match = out->matchings.data() + static_cast<size_t>(k) * n;
+    const int64_t* real = out->real.data() + static_cast<size_t>(k) * n;
+    int64_t* ps = out->pair_sent.data() + static_cast<size_t>(k) * n;
+    for (int a = 0; a < n; ++a) {
+      int64_t& x = sent[static_cast<size_t>(a) * n + match[a]];
+      ps[a] = x;
+      x += real[a];
+    }
+  }
+}
+
+// Lane queues from the ranges form (each lane's kept own pieces, then the
+// balancing rows into it), the intra-server rows, then every stage's
+// scale-out and redistribution rows.
+void FastScheduler::ExpandRows(const int64_t* traffic, FastSchedule* out) {
+  if (out->rows) return;
+  const int n = n_ = out->num_servers, m = m_ = out->gpus_per_server;
+  gpu_ = -1;
+  units_ = out->lane_units.data();
+  const int64_t g = static_cast<int64_t>(n) * m;
+  const size_t nn = static_cast<size_t>(n) * n;
+  qbeg_.resize(nn * m);
+  pair_size_.assign(nn, 0);
+  have_.resize(m);
+  want_.resize(m);
+  const int64_t* bal = out->transfers.data();
+  int64_t used = 0;
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      const size_t p = static_cast<size_t>(a) * n + b;
+      const int64_t big = out->server[p];
+      if (a == b || big == 0) continue;
+      LaneShares(a, b, big);
+      int64_t r = out->balance_begin[p];
+      const int64_t r_end = out->balance_begin[p + 1];
+      Piece* pool = GrowTo(&pool_, used + static_cast<size_t>(m) * m +
+                                       (r_end - r));
+      Piece* at = pool + used;
+      const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
+                             static_cast<int64_t>(b) * m;
+      for (int l = 0; l < m; ++l) {
+        const int64_t lane = static_cast<int64_t>(a) * m + l;
+        qbeg_[p * m + l] = at - pool;
+        at = PutKeptPieces(tile0 + l * g, l, static_cast<int32_t>(lane),
+                           static_cast<int32_t>(b * m),
+                           std::min(have_[l], want_[l]), at);
+        for (; r < r_end && bal[r * kTransferCols + kDst] == lane; ++r) {
+          const int64_t* row = bal + r * kTransferCols;
+          *at++ = {static_cast<int32_t>(row[kFlowSrc]),
+                   static_cast<int32_t>(row[kFlowDst]), row[kAmount]};
+        }
+      }
+      pair_size_[p] = at - pool - used;
+      used = at - pool;
+    }
+  }
+  pool_used_ = used;
+  BuildIntra(traffic, &out->transfers);
+  sent_.assign(nn, 0);
+  for (int k = 0; k < out->num_stages; ++k) EmitStageRows(k, out);
+  out->rows = true;
+}
+
+// have_[i]: GPU a*M+i's units for server b (lane_units); want_[l]: units
+// u < big with (u + a + b) % m == l, the lane's share.
+void FastScheduler::LaneShares(int a, int b, int64_t big) {
+  const int m = m_, n = n_;
+  const int64_t* units = units_ + static_cast<int64_t>(a) * m * n + b;
+  for (int i = 0; i < m; ++i) have_[i] = units[static_cast<int64_t>(i) * n];
   const int off = (a + b) % m;
   const int64_t q = big / m;
   const int rem = static_cast<int>(big % m);
@@ -398,71 +507,76 @@ void FastScheduler::LaneShares(const int64_t* tile0, int a, int b,
 
 // Balancing of server pair (a, b), D[a, b] = big: GPU i's pieces for server
 // b in tile order; givers (more than their share) hand their tail pieces to
-// receivers, both in increasing lane order.  Writes the pair's lane queues
-// into pool_ (own pieces kept, then the received ones; receivers' lanes
-// after the others, so their received pieces append in place) and its
-// balancing rows to `rows`.
-void FastScheduler::BalancePair(const int64_t* traffic, int a, int b,
-                                int64_t big, RowBuffer* rows) {
+// receivers, both in increasing lane order (so the rows go to receiving
+// lanes in non-decreasing order).  Writes the pair's balancing rows to
+// `rows`; the lane queues stay implicit (FastSchedule's ranges form).
+void FastScheduler::BalanceRanges(const int64_t* traffic, int a, int b,
+                                  int64_t big, RowBuffer* rows) {
   const int n = n_, m = m_;
   const int64_t g = static_cast<int64_t>(n) * m;
-  const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
-                         static_cast<int64_t>(b) * m;
-  LaneShares(tile0, a, b, big);
-  const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
-  // Room for every own piece, each again when moved, and one split piece
-  // per move (< 2m moves).
-  Piece* pool =
-      GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
-  const int64_t start = pool_used_;
-  int64_t at = start;
-  auto put_own = [&](int i) {  // lane i's own pieces at the pool's end
-    const int64_t* tile = tile0 + i * g;
-    const int32_t s = static_cast<int32_t>(static_cast<int64_t>(a) * m + i);
-    qbeg_[lane0 + i] = at;
-    for (int t = 0, h = i; t < m; ++t, h = h + 1 == m ? 0 : h + 1) {
-      if (tile[h] > 0) pool[at++] = {s, b * m + h, tile[h]};
-    }
-    kept_[i] = static_cast<int>(at - qbeg_[lane0 + i]);
-  };
+  LaneShares(a, b, big);
+  // Givers and receivers in lane order (then a sentinel), their excess
+  // and deficit.
+  int* givers = lanes_.data();  // 2 * (m + 1) slots
+  int* takers = givers + m + 1;
+  int64_t* excess = excess_.data();
+  int ng = 0, nt = 0;
+  int64_t total = 0;
   for (int i = 0; i < m; ++i) {
-    if (have_[i] >= want_[i]) put_own(i);
+    const int64_t e = have_[i] - want_[i];
+    excess[i] = e < 0 ? -e : e;
+    givers[ng] = i;
+    takers[nt] = i;
+    ng += e > 0;
+    nt += e < 0;
+    total += e > 0 ? e : 0;
   }
+  if (total == 0) return;
+  givers[ng] = givers[ng - 1];
+  takers[nt] = takers[nt - 1];
+  // At most one row per giver piece plus one per receiver.
   int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
                              kTransferCols);
-  int j = -1;
-  int64_t deficit = 0;  // of receiver j
-  for (int i = 0; i < m; ++i) {
-    int64_t excess = have_[i] - want_[i];
-    if (excess <= 0) continue;
-    Piece* q = pool + qbeg_[lane0 + i];
-    int kept = kept_[i];
-    const int64_t src = static_cast<int64_t>(a) * m + i;
-    while (excess > 0) {
-      if (deficit == 0) {
-        do ++j; while (have_[j] >= want_[j]);
-        put_own(j);
-        deficit = want_[j] - have_[j];
-      }
-      int64_t x = std::min(excess, deficit);
-      excess -= x;
-      deficit -= x;
-      const int64_t dst = static_cast<int64_t>(a) * m + j;
-      while (x > 0) {
-        Piece& p = q[kept - 1];
-        const int64_t y = std::min(x, p.amount);
-        p.amount -= y;
-        x -= y;
-        pool[at++] = {p.flow_src, p.flow_dst, y};
-        w = PutRow(w, 0, src, dst, y, p.flow_src, p.flow_dst);
-        kept -= p.amount == 0;
-      }
-    }
+  // One merge of the givers' tails (giver order, each from its last
+  // column down: its queue is columns i, i + 1, .. mod m) with the
+  // receivers' deficits (lane order); a row per overlap, none for empty
+  // columns.  Branch-free steps: the lanes' sizes are data.
+  const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
+                         static_cast<int64_t>(b) * m;
+  const int64_t src0 = static_cast<int64_t>(a) * m;
+  const int64_t dst0 = static_cast<int64_t>(b) * m;
+  int gi = 0, ti = 0;
+  int i = givers[0], j = takers[0];
+  int h = i == 0 ? m - 1 : i - 1;
+  const int64_t* tile = tile0 + i * g;
+  int64_t piece = tile[h], el = excess[i], dl = excess[j];
+  while (total > 0) {
+    const int64_t y = std::min(piece, std::min(el, dl));
+    w[kStage] = 0;
+    w[kSrc] = src0 + i;
+    w[kDst] = src0 + j;
+    w[kAmount] = y;
+    w[kFlowSrc] = src0 + i;
+    w[kFlowDst] = dst0 + h;
+    w += y > 0 ? kTransferCols : 0;
+    total -= y;
+    piece -= y;
+    el -= y;
+    dl -= y;
+    const bool giver_done = el == 0, piece_done = piece == 0;
+    gi += giver_done;
+    i = givers[gi];
+    tile = tile0 + i * g;
+    const int back = (giver_done ? i : h) - 1;
+    h = giver_done || piece_done ? (back < 0 ? m - 1 : back) : h;
+    el = giver_done ? excess[i] : el;
+    piece = giver_done || piece_done ? tile[h] : piece;
+    const bool taker_done = dl == 0;
+    ti += taker_done;
+    j = takers[ti];
+    dl = taker_done ? excess[j] : dl;
   }
   rows->Commit(w);
-  // Receivers not reached: none (shares add up to the pair's units).
-  pool_used_ = at;
-  pair_size_[static_cast<size_t>(a) * n + b] = at - start;
 }
 
 // Balancing of a pair of gpu_'s server for gpu_ alone (same rows and, for
@@ -482,7 +596,7 @@ void FastScheduler::BalancePairForGpu(const int64_t* traffic, int a, int b,
   const bool into = b == gs;
   const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
                          static_cast<int64_t>(b) * m;
-  LaneShares(tile0, a, b, big);
+  LaneShares(a, b, big);
   const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
   Piece* pool =
       GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);
@@ -842,37 +956,30 @@ void FastScheduler::EmitStageRows(int k, FastSchedule* out) {
   }
 }
 
+// Per-GPU schedule (gpu_ >= 0): only the pairs of gpu_'s server (as
+// source or destination) are balanced and expanded.
 void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   const int n = n_, m = m_;
-  // With gpu_ >= 0 only the pairs of gpu_'s server (as source or
-  // destination) are balanced and expanded.
-  const int gs = gpu_ >= 0 ? static_cast<int>(gpu_ / m) : -1;
+  const int gs = static_cast<int>(gpu_ / m);
   const size_t nn = static_cast<size_t>(n) * n;
   qbeg_.resize(nn * m);
   pair_size_.resize(nn);
   pool_used_ = 0;
-  kept_.resize(m);
   have_.resize(m);
   want_.resize(m);
   before_.resize(m);
-  if (gs >= 0) {
-    const size_t lanes = static_cast<size_t>(n) * m;
-    targets_.resize(lanes * m);
-    target_count_.resize(lanes);
-    target_next_.resize(lanes);
-    target_done_.resize(lanes);
-  }
+  const size_t lanes = static_cast<size_t>(n) * m;
+  targets_.resize(lanes * m);
+  target_count_.resize(lanes);
+  target_next_.resize(lanes);
+  target_done_.resize(lanes);
 
   // 1. Balancing and lane queues.
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
-      if (a == b || (gs >= 0 && a != gs && b != gs)) continue;
+      if (a == b || (a != gs && b != gs)) continue;
       const int64_t big = out->server[static_cast<size_t>(a) * n + b];
-      if (gs >= 0) {
-        BalancePairForGpu(traffic, a, b, big, &out->transfers);
-      } else {
-        BalancePair(traffic, a, b, big, &out->transfers);
-      }
+      BalancePairForGpu(traffic, a, b, big, &out->transfers);
     }
   }
   // 4. Intra-server part.
@@ -881,6 +988,52 @@ void FastScheduler::BuildTransfers(const int64_t* traffic, FastSchedule* out) {
   // go to out->redistribution so each stage is written in one pass.
   sent_.assign(nn, 0);
   for (int k = 0; k < out->num_stages; ++k) EmitStageRows(k, out);
+}
+
+// Workspace use per GPU from the ranges: a receiving lane j of pair (a, b)
+// gets want - have balancing units; peer GPU b*M+l of lane l receives the
+// lane's want units in scale-out and relays all but those for itself (its
+// kept own units of column l, the first of its row, and the balancing rows
+// into the lane for b*M+l).
+void WorkspaceUseOfRanges(const int64_t* traffic, const FastSchedule& schedule,
+                          std::vector<int64_t>* use) {
+  const int n = schedule.num_servers, m = schedule.gpus_per_server;
+  const int64_t g = static_cast<int64_t>(n) * m;
+  use->assign(g, 0);
+  if (m <= 1) return;
+  int64_t* u = use->data();
+  const int64_t* bal = schedule.transfers.data();
+  const int64_t* units = schedule.lane_units.data();
+  int64_t r = 0;  // balancing rows are the first rows (pairs in order)
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      const size_t p = static_cast<size_t>(a) * n + b;
+      const int64_t big = schedule.server[p];
+      if (a == b || big == 0) continue;
+      const int64_t r_end = schedule.balance_begin[p + 1];
+      const int off = (a + b) % m;
+      const int64_t q = big / m;
+      const int rem = static_cast<int>(big % m);
+      for (int l = 0; l < m; ++l) {
+        int dl = l - off;
+        if (dl < 0) dl += m;
+        const int64_t want = q + (dl < rem ? 1 : 0);
+        const int64_t lane = static_cast<int64_t>(a) * m + l;
+        const int64_t peer = static_cast<int64_t>(b) * m + l;
+        const int64_t have = units[lane * n + b];
+        const int64_t own = std::min(traffic[lane * g + peer],
+                                     std::min(have, want));
+        int64_t relay = want - own;
+        if (want > have) u[lane] += want - have;
+        for (; r < r_end && bal[r * kTransferCols + kDst] == lane; ++r) {
+          if (bal[r * kTransferCols + kFlowDst] == peer) {
+            relay -= bal[r * kTransferCols + kAmount];
+          }
+        }
+        u[peer] += relay;
+      }
+    }
+  }
 }
 
 int64_t SpreadOutTime(const int64_t* x, int n) {

@@ -97,6 +97,25 @@ enum TransferCol : int {
   kStage = 0, kSrc, kDst, kAmount, kFlowSrc, kFlowDst, kTransferCols
 };
 
+// A full schedule comes in two forms.  Rows (FastScheduler::Schedule):
+// every transfer of every GPU as one row of `transfers` /
+// `redistribution`.  Ranges (FastScheduler::ScheduleRanges): the same
+// schedule with each stage's transfers as unit ranges of the lane queues,
+// which every row follows from without a search:
+// * lane l of pair (a, b) carries the units u < D[a, b] with
+//   (u + a + b) % M == l; its queue is GPU a*M+l's own row of the tile
+//   (columns l, l + 1, .. mod M, zero entries skipped), its first
+//   min(have, want) units (have: lane_units, want: its share of the
+//   units), then, on a receiving lane, the balancing rows into it in row
+//   order (each one piece of the given flow);
+// * BvN stage k sends units [pair_sent[k, a], + real[k, a]) of pair
+//   (a, matchings[k, a]), so lane l sends its queue units
+//   [c(pair_sent), c(pair_sent + real)) with c(x) = (x + M - 1 - r) / M,
+//   r = (l - a - b) mod M: one scale-out row per queue piece the range
+//   overlaps (src a*M+l, dst b*M+l) and one redistribution row (dst b*M+l
+//   to the flow's destination) per such piece not for b*M+l;
+// * the intra-server part is every flow within a server, sent directly.
+// ExpandRows turns the ranges into the rows (same rows, same order).
 struct FastSchedule {
   int num_servers = 0;
   int gpus_per_server = 0;
@@ -107,6 +126,15 @@ struct FastSchedule {
   std::vector<int64_t> matchings;    // [S * n] destination server of a
   std::vector<int64_t> weights;      // [S]
   std::vector<int64_t> real;         // [S * n] real units a sends in stage k
+  std::vector<int64_t> lane_units;   // [G * n] units GPU s has for server b
+  // Ranges form (and rows form of a full schedule): [S * n] units of pair
+  // (a, matchings[k, a]) sent before stage k; [n * n + 1] first balancing
+  // row of pair (a, b) (pairs in row-major order).
+  std::vector<int64_t> pair_sent;
+  std::vector<int64_t> balance_begin;
+  // Whether transfers / redistribution hold every row (else the balancing
+  // rows alone: the ranges form).
+  bool rows = false;
   // [K * kTransferCols]: balance, intra and scale-out rows, by stage.
   RowBuffer transfers;
   // [R * kTransferCols]: redistribution rows (stage 3 + 2k), by stage.
@@ -125,6 +153,14 @@ class FastScheduler {
   std::string Schedule(const int64_t* traffic, int num_servers,
                        int gpus_per_server, bool with_transfers,
                        FastSchedule* out, int64_t gpu = -1);
+  // The full schedule in the ranges form (see FastSchedule): the
+  // server-level part, the balancing rows, lane_units, pair_sent and
+  // balance_begin.
+  std::string ScheduleRanges(const int64_t* traffic, int num_servers,
+                             int gpus_per_server, FastSchedule* out);
+  // Ranges form -> rows form (appends the intra-server, scale-out and
+  // redistribution rows); traffic: the matrix it was built from.
+  void ExpandRows(const int64_t* traffic, FastSchedule* out);
 
  private:
   struct Piece {
@@ -156,9 +192,10 @@ class FastScheduler {
   void OrderStages(FastSchedule* out);
   void EmitStageRows(int k, FastSchedule* out);
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
-  void LaneShares(const int64_t* tile0, int a, int b, int64_t big);
-  void BalancePair(const int64_t* traffic, int a, int b, int64_t big,
-                   RowBuffer* rows);
+  void BalanceRanges(const int64_t* traffic, int a, int b, int64_t big,
+                     RowBuffer* rows);
+  void PairSent(FastSchedule* out);
+  void LaneShares(int a, int b, int64_t big);
   void BalancePairForGpu(const int64_t* traffic, int a, int b, int64_t big,
                          RowBuffer* rows);
   // The tile of a pair being balanced (rows `g` apart).
@@ -187,6 +224,7 @@ class FastScheduler {
   int n_ = 0;
   int m_ = 0;
   int64_t gpu_ = -1;
+  const int64_t* units_ = nullptr;  // the schedule's lane_units
   // Decomposition: unmatched entries' residuals, matched rows' keys.
   std::vector<int64_t> residual_;   // [n * n]
   std::vector<int64_t> key_;        // [n] residual of the matched entry + cum
@@ -215,7 +253,6 @@ class FastScheduler {
   int64_t pool_used_ = 0;
   std::vector<int64_t> qbeg_;       // [n * n * M] head of each lane
   std::vector<int64_t> pair_size_;  // [n * n] pieces of the pair's lanes
-  std::vector<int> kept_;           // [M] own pieces a lane still holds
   // Per-GPU schedules, lane (a, l) of pair (a, gpu_'s server): its targets
   // at targets_[(a * M + l) * M ..] (target_count_ of them), the next one
   // to forward and the units the lane has sent.
@@ -225,7 +262,16 @@ class FastScheduler {
   std::vector<int64_t> have_, want_, rowacc_;
   std::vector<int64_t> before_;     // [M] units of a row before gpu_'s column
   std::vector<int64_t> remaining_, sent_;
+  std::vector<int> lanes_;          // [2M + 2] givers, receivers (ranges)
+  std::vector<int64_t> excess_;     // [M] |have - want| (ranges)
 };
+
+// Workspace rows each GPU's plan uses (plan.h's ExecutionPlan::
+// workspace_used: the balancing rows it receives and the scale-out rows it
+// receives for another GPU), from a full schedule in either form and the
+// traffic it was built from, without its rows (not for per-GPU schedules).
+void WorkspaceUseOfRanges(const int64_t* traffic, const FastSchedule& schedule,
+                          std::vector<int64_t>* use);
 
 // SpreadOut time of a square int64[N * N] matrix: sum over shifts
 // i = 1..N-1 of max_s x[s, (s + i) % N].

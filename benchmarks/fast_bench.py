@@ -9,7 +9,8 @@ in a serving loop) at 8 GPUs per server on uniform and Zipf matrices: the
 median over fresh matrices of the per-run wall time, for the server-level
 schedule only (padding + Birkhoff-von Neumann + per-stage sizes), for one
 GPU's schedule, for the full schedule (every transfer with its original
-flow), and for what the CUDA custom call computes per call on one rank
+flow; in the ranges form and written out as rows, on the same and on
+distinct matrices, warm and cold), and for what the CUDA custom call computes per call on one rank
 (StagedPlanner: traffic check, schedule, plan, the rank's program), from the
 rank's per-GPU schedule and through the whole plan, next to the FAST paper's
 numbers (Xeon Platinum 8468; NSDI '26, section 4.4 / Figure 16).
@@ -123,6 +124,13 @@ def _time(timer, mats):
               runs=int(samples.size))
 
 
+def _each(each, n, m, **kw):
+  samples = cpp.time_schedule_each(each, n, m, **kw) / 1e3
+  return dict(median_us=float(np.median(samples)),
+              p90_us=float(np.percentile(samples, 90)),
+              runs=int(samples.size))
+
+
 def run_runtime(rng):
   m = FLAGS.gpus_per_server
   results = []
@@ -135,7 +143,9 @@ def run_runtime(rng):
       timers = {
           "server_level": lambda t, k: cpp.time_schedule(t, n, m, k, False),
           "per_gpu": lambda t, k: cpp.time_schedule(t, n, m, k, True, 0),
-          "full": lambda t, k: cpp.time_schedule(t, n, m, k, True),
+          "full": lambda t, k: cpp.time_schedule(t, n, m, k, True,
+                                                 ranges=True),
+          "full_rows": lambda t, k: cpp.time_schedule(t, n, m, k, True),
           "rank_program": lambda t, k: cpp.time_rank_program(t, n, m, 0, k),
           "rank_program_below_bound": lambda t, k: cpp.time_rank_program(
               t, n, m, 0, k, below_bound=True),
@@ -147,12 +157,10 @@ def run_runtime(rng):
         row[mode] = _time(timer, mats)
       each = [_workload(rng, kind, g, 1000.0)
               for _ in range(FLAGS.distinct_matrices)]
-      for mode, buffers in (("full_distinct", "warm"), ("full_cold", "cold"),
-                            ("full_new", "new")):
-        samples = cpp.time_schedule_each(each, n, m, buffers=buffers) / 1e3
-        row[mode] = dict(median_us=float(np.median(samples)),
-                         p90_us=float(np.percentile(samples, 90)),
-                         runs=int(samples.size))
+      for mode, buffers in (("distinct", "warm"), ("cold", "cold"),
+                            ("new", "new")):
+        row["full_" + mode] = _each(each, n, m, buffers=buffers, ranges=True)
+        row["full_rows_" + mode] = _each(each, n, m, buffers=buffers)
       d = cpp.schedule_arrays(mats[0], n, m, True)
       row["bvn_stages"] = int(d["weights"].shape[0])
       row["transfers"] = int(d["transfers"].shape[0] +
@@ -164,7 +172,9 @@ def run_runtime(rng):
             f"{row['full']['median_us']:.1f} us (distinct matrices "
             f"{row['full_distinct']['median_us']:.1f}, cold "
             f"{row['full_cold']['median_us']:.1f}, new buffers "
-            f"{row['full_new']['median_us']:.1f}), rank program "
+            f"{row['full_new']['median_us']:.1f}; rows: distinct "
+            f"{row['full_rows_distinct']['median_us']:.1f}, cold "
+            f"{row['full_rows_cold']['median_us']:.1f}), rank program "
             f"{row['rank_program']['median_us']:.1f} us (below the "
             f"workspace bound "
             f"{row['rank_program_below_bound']['median_us']:.1f}), paper "
@@ -192,63 +202,73 @@ def write_runtime(results, meta):
            "stages and real units per stage (with the documented rounding "
            "rule this fixes every GPU's per-stage volume); `per-GPU`: plus "
            "the flow-level transfers GPU 0 sends or receives (what one rank "
-           "executes; each rank computes its own); `full`: every transfer of "
-           "every GPU (balance, intra, scale-out, redistribution) with its "
-           "original (src, dst) flow; `full, distinct`: the full schedule "
-           f"once on each of {FLAGS.distinct_matrices} other matrices, one "
-           "scheduler reused (no matrix seen twice, so no branch history "
-           "of an earlier run on the same matrix); `full, cold`: the same "
-           "after 64 MiB of other writes before each call (cold caches); "
-           "`full, new buffers`: a new scheduler and output per call after "
-           "those writes (their buffers allocated and first touched inside "
-           "the timed call); median of the calls",
+           "executes; each rank computes its own)",
+           "- `full`: the whole schedule, every GPU's transfers, in the "
+           "ranges form (`FastScheduler::ScheduleRanges`, "
+           "xla_ffi/fast/scheduler.h: server-level part, every balancing "
+           "row, each GPU's units per server and each server pair's units "
+           "sent before every stage; every scale-out and redistribution "
+           "transfer with its (src, dst) flow follows from these without a "
+           "search, `cpp.rows_from_ranges` decodes them and a test checks "
+           "the decoded rows against the rows form); `full, rows`: the same "
+           "schedule with every transfer written as a row (ranges, then "
+           "`ExpandRows`)",
+           "- `same`: one matrix timed repeatedly; `distinct`: once on each "
+           f"of {FLAGS.distinct_matrices} other matrices, one scheduler "
+           "reused (no matrix seen twice); `cold`: the same after 64 MiB of "
+           "other writes before each call (cold caches); `new buffers`: a "
+           "new scheduler and output per call after those writes (buffers "
+           "allocated and first touched inside the timed call); medians",
            "- `rank program`: what the CUDA custom call computes per call on "
            "rank 0 (`StagedPlanner::BuildRank`: traffic check, rank 0's "
            "per-GPU schedule, its program; buffers that just hold the "
-           "traffic, default workspace); `rank program, below bound`: the "
-           "same with one workspace row less than the proven bound, where "
-           "every rank also builds the full schedule and checks every "
-           "rank's workspace use (the fallback); `rank program, whole "
-           "plan`: the same program through the full schedule and every "
-           "rank's plan (the fallback before; only up to "
-           f"{FLAGS.whole_plan_max_gpus} GPUs)",
+           "traffic, default workspace); `fallback below bound`: the same "
+           "with one workspace row less than the proven bound, where every "
+           "rank also builds the full schedule (ranges form) and checks "
+           "every rank's workspace use (what the custom call runs then); "
+           "`whole plan`: the same program extracted from the full "
+           "schedule's rows and every rank's plan (`cpp.execution_plan`, "
+           "used by tests and the simulator, not by the custom call; only "
+           f"up to {FLAGS.whole_plan_max_gpus} GPUs)",
            "- paper: FAST (NSDI '26) section 4.4 / Figure 16, Xeon Platinum "
            "8468; its 16-GPU number is from the SyCCL comparison", "",
            "| GPUs | workload | BvN stages | transfers (all GPUs) | "
-           "server-level (us) | per-GPU (us) | full (us) | full p90 (us) | "
-           "full, distinct (us) | full, cold (us) | full, new buffers (us) | "
-           "rank program (us) | rank program, below bound (us) | "
-           "rank program, whole plan (us) | "
-           "paper (us) | paper / server-level | paper / per-GPU | "
-           "paper / full | paper / full, distinct | paper / full, cold | "
-           "paper / full, new buffers | paper / below bound | "
+           "server-level (us) | per-GPU (us) | full, same (us) | "
+           "full, distinct (us) | full, distinct p90 (us) | full, cold (us) | "
+           "full, new buffers (us) | full rows, distinct (us) | "
+           "full rows, cold (us) | rank program (us) | "
+           "fallback below bound (us) | whole plan (us) | paper (us) | "
+           "paper / full, distinct | paper / full, cold | "
+           "paper / full, new buffers | paper / full rows, distinct | "
+           "paper / full rows, cold | paper / fallback below bound | "
            "paper / whole plan |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-           "| --- |"]
+           "| --- | --- |"]
   for r in results:
     p = r["paper_us"]
-    sl, pg, fu = (r[k]["median_us"] for k in ("server_level", "per_gpu",
-                                               "full"))
 
     def ratio(x):
       return "—" if p is None else f"{p / x:.1f}x"
 
+    def us(key):
+      return r[key]["median_us"]
+
     whole = r.get("rank_program_whole_plan")
     whole_us = "—" if whole is None else f"{whole['median_us']:.1f}"
-    fd, fc, fn = (r[k]["median_us"]
-                  for k in ("full_distinct", "full_cold", "full_new"))
     lines.append(
         f"| {r['gpus']} | {r['workload']} | {r['bvn_stages']} | "
-        f"{r['transfers']} | {sl:.1f} | {pg:.1f} | {fu:.1f} | "
-        f"{r['full']['p90_us']:.1f} | {fd:.1f} | {fc:.1f} | {fn:.1f} | "
-        f"{r['rank_program']['median_us']:.1f} | "
-        f"{r['rank_program_below_bound']['median_us']:.1f} | "
-        f"{whole_us} | "
-        f"{'—' if p is None else p} | "
-        f"{ratio(sl)} | {ratio(pg)} | {ratio(fu)} | {ratio(fd)} | "
-        f"{ratio(fc)} | {ratio(fn)} | "
-        f"{ratio(r['rank_program_below_bound']['median_us'])} | "
+        f"{r['transfers']} | {us('server_level'):.1f} | "
+        f"{us('per_gpu'):.1f} | {us('full'):.1f} | "
+        f"{us('full_distinct'):.1f} | {r['full_distinct']['p90_us']:.1f} | "
+        f"{us('full_cold'):.1f} | {us('full_new'):.1f} | "
+        f"{us('full_rows_distinct'):.1f} | {us('full_rows_cold'):.1f} | "
+        f"{us('rank_program'):.1f} | {us('rank_program_below_bound'):.1f} | "
+        f"{whole_us} | {'—' if p is None else p} | "
+        f"{ratio(us('full_distinct'))} | {ratio(us('full_cold'))} | "
+        f"{ratio(us('full_new'))} | {ratio(us('full_rows_distinct'))} | "
+        f"{ratio(us('full_rows_cold'))} | "
+        f"{ratio(us('rank_program_below_bound'))} | "
         f"{'—' if whole is None else ratio(whole['median_us'])} |")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -257,7 +277,7 @@ def write_runtime(results, meta):
 def run_simulation(rng, runtime):
   m = FLAGS.gpus_per_server
   fabric = sim.Fabric(sim.NVLINK_H200, sim.IB_400G)
-  sched_us = {(r["gpus"], r["workload"]): r["full"]["median_us"]
+  sched_us = {(r["gpus"], r["workload"]): r["full_distinct"]["median_us"]
               for r in runtime}
   results = []
   for kind in ("uniform", "zipf", "zipf_row"):
@@ -321,7 +341,8 @@ def write_simulation(results, meta, fabric):
            "- bound: heaviest server's inter-server bytes / (M x scale-out "
            "bandwidth), infinitely fast scale-up (the paper's optimum); "
            "`FAST+sched` adds the C++ scheduler median measured here "
-           "(full schedule; `zipf_row` uses the `zipf` runtime); direct: every flow at once, "
+           "(full schedule, distinct matrices; `zipf_row` uses the `zipf` "
+           "runtime); direct: every flow at once, "
            "fluid sharing, no incast loss (optimistic); every BvN stage "
            "pays the scale-out alpha",
            "- two-tier bound: `simulator.two_tier_bound_time`, the bound "

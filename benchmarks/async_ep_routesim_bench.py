@@ -267,7 +267,8 @@ def main(argv=None):
     p.add_argument("--latency_us", type=float, default=10.0)
     p.add_argument("--replicate", type=int, default=1)
     p.add_argument("--hold_s", type=float, default=2e-3)
-    p.add_argument("--slack", type=float, default=0.05)
+    p.add_argument("--slack", type=float, default=0.02,
+                   help="the hold scheduler's split slack (HoldScheduler's default)")
     p.add_argument("--priority", choices=["shortest", "score"], default="shortest",
                    help="the hold scheduler's order among the queues it may run")
     p.add_argument("--seed", type=int, default=0)

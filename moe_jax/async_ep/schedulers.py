@@ -17,7 +17,13 @@ many blocks the pipeline has. None means every queue is empty.
   timed view (`pick_timed`, used by the routing-only simulation) it holds a
   queue while more of its wave is still upstream and running the fragment
   now would cost more than (1 + slack) x running the whole wave later, and
-  releases it at a deadline; a fragment cheap enough to run still waits
+  releases it at a deadline. The default slack (2%) lets a wave split only
+  where that is nearly free (above the largest bucket, or where the cost
+  envelope is not convex): a split wave tends to stay split, so the extra
+  fixed cost of a split is paid again at every later layer the halves
+  pass apart (with 5%, workload T1's hot expert split its ~1,200 rows of a
+  block into halves at 3.9% extra cost, and every expert of the bottleneck
+  device then ran twice per step). A fragment cheap enough to run still waits
   while the device has a whole queue; a layer whose oldest token waited
   `escalate_s` (30 ms, as the released AMoE code) runs first. Among the
   queues it may run it takes the cheapest execution (shortest processing
@@ -140,7 +146,7 @@ class HoldScheduler(DefragScheduler):
       hold_s: longest a queue is held for the rest of its wave (seconds).
       escalate_s: a layer whose oldest token waited this long runs first.
       slack: hold only if cost(queued) + cost(incoming) > (1 + slack) *
-        cost(queued + incoming).
+        cost(queued + incoming) (default 0.02; see the module docstring).
       idle_wait: hold even when the device has nothing else to run (the
         device then sleeps until a delivery or the earliest deadline).
       whole_first: a fragment cheap enough to run (within slack) still waits
@@ -153,7 +159,7 @@ class HoldScheduler(DefragScheduler):
 
     name = "hold"
 
-    def __init__(self, hold_s: float = 1e-3, escalate_s: float = 0.030, slack: float = 0.05,
+    def __init__(self, hold_s: float = 1e-3, escalate_s: float = 0.030, slack: float = 0.02,
                  idle_wait: bool = True, lookahead: int = 7, decay: float = 0.8,
                  whole_first: bool = True, priority: str = "shortest"):
         super().__init__(lookahead=lookahead, decay=decay)

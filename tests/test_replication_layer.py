@@ -550,8 +550,9 @@ def _gpu_case(ranks: int, seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("replica_choice", ["local", "balanced"])
 @pytest.mark.parametrize("strategy, transport", GPU_CASES)
-def test_gpu_layer_with_placement_gives_dense_bits(strategy, transport):
+def test_gpu_layer_with_placement_gives_dense_bits(strategy, transport, replica_choice):
     ranks = _gpu_ranks()
     config, params, x = _gpu_case(ranks, 50)
     mesh = mesh_of(ranks, "gpu")
@@ -559,7 +560,8 @@ def test_gpu_layer_with_placement_gives_dense_bits(strategy, transport):
         params, x)
     loads = np.asarray(want_aux.expert_rows, np.float64)
     run = jax.jit(lambda p, x, a: moe_layer(
-        p, x, config.replace(strategy=strategy, transport=transport), mesh, placement=a))
+        p, x, config.replace(strategy=strategy, transport=transport), mesh, placement=a,
+        replica_choice=replica_choice))
     slots = E // ranks + 1
     for pl in (propose(loads, ranks, slots, 3), random_placement(np.random.default_rng(1),
                                                                 ranks, slots)):

@@ -24,7 +24,10 @@ async-mtfs, async-flfs (the named baselines; only at points with at most
 whole waves, cheapest execution first; wave-aligned admission) and
 async-hold-<G>w for each G of --wave_groups (the same with each rank's slots
 in G wave groups that never share an execution, group g started g / G of a
-sync ITL later).
+sync ITL later; in the colocated group (--phase), each group is kept at a phase
+offset chosen from the trace model's expected expert load so that the groups
+meet their heavy experts on different devices, the group furthest behind its
+place running first on every device).
 
 Every engine of a group runs the same requests, routes and KV slots at each
 point of the sweep (closed loop at every --slots, and Poisson arrivals at
@@ -78,8 +81,11 @@ def engines_for(group: str, args):
 def _engines_for(group: str, args):
     hold = dict(hold_s=args.hold_s, slack=args.slack, priority=args.priority)
     suffix = "" if group == "colocated" else "-disagg"
+    phase = args.phase == "all" or args.phase == group
+    wave_sched = dict(hold, priority="phase") if phase else hold
     waves = [(f"async-hold-{g}w{suffix}", "hold",
-              {**hold, "wave_groups": g, "separate_groups": True}) for g in args.wave_groups]
+              {**wave_sched, "wave_groups": g, "separate_groups": True, "phase": phase})
+             for g in args.wave_groups]
     if group == "colocated":
         return [("sync", "sync", {}), ("sync-repl", "sync", {"replicate": args.replicate}),
                 ("async-defrag", "defrag", {}), ("async-mtfs", "mtfs", {}),
@@ -88,7 +94,7 @@ def _engines_for(group: str, args):
             ("async-defrag-disagg", "defrag", {}), ("async-hold-disagg", "hold", hold)] + waves
 
 
-ENGINE_KEYS = ("wave_groups", "separate_groups")
+ENGINE_KEYS = ("wave_groups", "separate_groups", "phase")
 NAMED_BASELINES = ("defrag", "mtfs", "flfs")
 
 
@@ -101,6 +107,8 @@ def run_engine(setup, kind, kw, arr, ln, routes, off, sync_itl_s=None):
     sched = make_scheduler(kind, **{k: v for k, v in kw.items() if k not in ENGINE_KEYS})
     if eng.get("wave_groups", 1) > 1 and sync_itl_s:
         eng["stagger_s"] = sync_itl_s / eng["wave_groups"]
+    if eng.pop("phase", False):
+        eng["phase_offsets"] = rs.phase_offsets(setup, eng.get("wave_groups", 1))
     return rs.run_async(setup, sched, arr, ln, routes, off, wave_admission=(kind == "hold"),
                         **eng)
 
@@ -280,6 +288,11 @@ def main(argv=None):
     p.add_argument("--wave_groups", type=int, nargs="*", default=[2, 3],
                    help="an async-hold-<G>w engine for each G: the hold scheduler with each rank's "
                         "slots in G wave groups that never share an execution")
+    p.add_argument("--phase", default="colocated", choices=["colocated", "paper", "all", "none"],
+                   help="groups whose wave-group engines keep their groups at the phase offsets "
+                        "(routesim.phase_offsets) with the hold scheduler's priority='phase'; "
+                        "the others run cheapest execution first, groups placed by the start "
+                        "stagger only")
     p.add_argument("--baseline_max_slots", type=int, default=1024,
                    help="defrag, MTFS and FLFS run only at points with at most this many slots "
                         "(they fragment waves into many small executions and are slow to simulate)")

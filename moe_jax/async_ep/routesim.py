@@ -391,6 +391,14 @@ class _Queue:
                 return t
         raise ValueError(f"g: no row of group {g} queued")
 
+    def head_of(self, g, group_of) -> int:
+        """The oldest queued row of group g."""
+        for _, arr in self.chunks:
+            mine = np.flatnonzero(group_of[arr] == g)
+            if len(mine):
+                return int(arr[mine[0]])
+        raise ValueError(f"g: no row of group {g} queued")
+
     def pop_group(self, g, m, group_of):
         """Up to m of the oldest rows of wave group g."""
         out, need, keep = [], m, collections.deque()
@@ -434,7 +442,8 @@ class _Queue:
 def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
               wave_admission: bool = False, name: str | None = None,
               max_batch: int | None = None, wave_groups: int = 1,
-              stagger_s: float = 0.0, separate_groups: bool = False) -> SimResult:
+              stagger_s: float = 0.0, separate_groups: bool = False,
+              on_exec=None, phase_offsets: Sequence[float] | None = None) -> SimResult:
     """Asynchronous EP on `setup`'s layout with one `scheduler` policy object
     (stateless) on every device.
 
@@ -451,6 +460,13 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
       (seconds), so that the groups' waves begin apart in the pipeline.
     separate_groups: an execution takes rows of one wave group only (the
       group of the queue's oldest row), so groups never merge.
+    phase_offsets: per wave group, the stages (blocks; the sampler is stage
+      num_blocks) it is meant to trail group 0 (`phase_offsets()`); a timed
+      scheduler then also gets, per entry, the group's progress in stages
+      plus its offset (`pick_timed(phase=...)`: HoldScheduler with
+      priority="phase" runs the group furthest behind its place first).
+    on_exec: optional callable(start, seconds, device, layer, rids, group_of)
+      called at every execution (for the diagnostics of where time goes).
     """
     trace, costs = setup.trace, setup.costs
     B, E, K = trace.num_blocks, trace.num_experts, trace.top_k
@@ -476,12 +492,17 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
     nxt_layer = [[att[b + 1][r] if b + 1 < B else samp[r] for r in range(ranks)]
                  for b in range(B)]
     queues = [_Queue(G) for _ in layers]
+    stage = [layer.block + (0.5 if layer.kind == tk.EXPERT else 0.0) for layer in layers]
     state = SchedulerState(B)
     timed = hasattr(scheduler, "pick_timed")
     cost_fn = lambda kind, n: env[kind](n)  # noqa: E731
 
+    if phase_offsets is not None and len(phase_offsets) != G:
+        raise ValueError(f"phase_offsets: one per wave group ({G}), got {phase_offsets!r}")
     R = len(arrivals)
     W = ranks * G                      # waves: w = r * G + g
+    tstep = np.zeros(R, np.int64)      # steps (sampler outputs) a request's wave has made
+    wave_step = np.zeros(W, np.int64)
     admission = _Admission(ranks, setup.slots_per_rank)
     wave_free = np.zeros(W, np.int64)
     for r in range(ranks):
@@ -524,6 +545,7 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
     def start_tokens(r, rids, now):
         """First/next tokens of rank r enter attention of block 0."""
         if len(rids):
+            tstep[rids] = np.maximum(tstep[rids], wave_step[wave_of[rids]])
             enqueue(att[0][r], now, rids)
             np.add.at(att_phase[0, r], group_of[rids], 1)
 
@@ -580,7 +602,20 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
             heads = {lid: queues[lid].head_group(group_of) for lid in hosted[d] if queues[lid].n}
             entries = [(layers[lid], int(queues[lid].ng[g]), queues[lid].oldest_of(g, group_of),
                         incoming(lid, g)) for lid, g in heads.items()]
-            layer, wake = scheduler.pick_timed(now, lengths_d, entries, cost_fn, state)
+            if phase_offsets is not None and heads:
+                # each group's place on the cycle of B + 1 stages, shifted by its
+                # offset (equal for all when every group is where it should be),
+                # as a signed distance from the groups' circular mean
+                S = B + 1
+                ang = np.array([((tstep[queues[lid].head_of(g, group_of)] * S + stage[lid]
+                                  + phase_offsets[g]) % S) * 2 * math.pi / S
+                                for lid, g in heads.items()])
+                ref = math.atan2(np.sin(ang).mean(), np.cos(ang).mean())
+                phase = list(np.round(np.angle(np.exp(1j * (ang - ref))) * S / (2 * math.pi), 6))
+                layer, wake = scheduler.pick_timed(now, lengths_d, entries, cost_fn, state,
+                                                   phase=phase)
+            else:
+                layer, wake = scheduler.pick_timed(now, lengths_d, entries, cost_fn, state)
         elif timed:
             entries = [(layers[lid], queues[lid].n, queues[lid].oldest(), incoming(lid))
                        for lid in hosted[d] if queues[lid].n]
@@ -606,6 +641,8 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
         acc[0] += 1
         acc[1] += len(rids)
         acc[2] += spent
+        if on_exec is not None:
+            on_exec(now, spent, d, layer, rids, group_of)
         push(now + spent, _DONE, d, lid, rids)
 
     def done(d, lid, rids, now):
@@ -638,6 +675,8 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
         else:
             r = layer.index
             samp_phase[r] -= np.bincount(group_of[rids], minlength=G)
+            tstep[rids] += 1
+            np.maximum.at(wave_step, wave_of[rids], tstep[rids])
             tok_rid.append(rids)
             tok_time.append(np.full(len(rids), now))
             pos[rids] += 1
@@ -728,6 +767,47 @@ def run_async(setup: Setup, scheduler, arrivals, lengths, routes, offsets,
                      lengths, busy_log, D, executions, rows_total / max(executions, 1),
                      route_counts, bool((pos >= lengths).all()), end, layout=setup.layout,
                      by_kind=by_kind)
+
+
+def phase_offsets(setup: Setup, wave_groups: int) -> list[float]:
+    """Stages each wave group should trail group 0 so that the groups meet
+    the heavy experts on different devices: with the trace model's expected
+    rows per expert (total_slots / G tokens per group), expert costs from
+    the envelope and the setup's placement, the offsets (0 for group 0,
+    whole stages of the B + 1 for the others) that minimize the busiest
+    device's expert time summed over the groups at one stage, maximized
+    over the stages; ties go to the smaller sum of squares over devices and
+    stages, then to the offsets nearest to even spacing."""
+    import itertools  # noqa: PLC0415
+
+    G = int(wave_groups)
+    if G <= 1:
+        return [0.0] * max(G, 1)
+    trace = setup.trace
+    B, E, K = trace.num_blocks, trace.num_experts, trace.top_k
+    pl = setup.placement()
+    D = pl.num_devices
+    expert = setup.costs.of(tk.EXPERT)
+    rows = setup.total_slots / G * K * trace.shares()            # [B, E]
+    load = np.zeros((B + 1, D))                                  # the sampler stage has none
+    for b in range(B):
+        for e in range(E):
+            n = int(round(rows[b, e]))
+            if n:
+                load[b, pl.device_of(tk.expert_layer(b, e))] += expert(n)
+    S = B + 1
+    even = [g * S / G for g in range(G)]
+    best, best_key = None, None
+    for rest in itertools.product(range(S), repeat=G - 1):
+        offs = (0,) + rest
+        if len(set(offs)) < G:
+            continue
+        tot = sum(np.roll(load, o, axis=0) for o in offs)       # [t, d]: group g at t - o_g
+        spread = sum(min(abs(o - v), S - abs(o - v)) for o, v in zip(sorted(offs), even))
+        key = (round(float(tot.max()), 9), round(float((tot ** 2).sum()), 12), spread)
+        if best_key is None or key < best_key:
+            best, best_key = offs, key
+    return [float(o) for o in best]
 
 
 # ------------------------------------------------------------------------------------------

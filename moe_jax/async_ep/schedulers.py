@@ -171,8 +171,8 @@ class HoldScheduler(DefragScheduler):
         self.slack = float(slack)
         self.idle_wait = bool(idle_wait)
         self.whole_first = bool(whole_first)
-        if priority not in ("score", "shortest"):
-            raise ValueError(f"priority must be 'score' or 'shortest', got {priority!r}")
+        if priority not in ("score", "shortest", "phase"):
+            raise ValueError(f"priority must be 'score', 'shortest' or 'phase', got {priority!r}")
         self.priority = priority
 
     def scores(self, queues, state):
@@ -214,12 +214,16 @@ class HoldScheduler(DefragScheduler):
         return whole, fragments, deadlines, None
 
     def pick_timed(self, now: float, queues: Mapping[LayerId, int], entries, cost,
-                   state: SchedulerState) -> tuple[LayerId | None, float | None]:
+                   state: SchedulerState, phase=None) -> tuple[LayerId | None, float | None]:
         """(layer to run now or None, time to look again or None).
 
         Whole queues go first (with whole_first); a runnable fragment runs
         only when the device has no whole queue; held fragments wait for
-        their deadline (with idle_wait; otherwise an idle device runs one)."""
+        their deadline (with idle_wait; otherwise an idle device runs one).
+        phase: with priority="phase", one number per entry (the entry's wave
+        group's progress in stages plus the stages that group is meant to
+        trail the first group); the lowest (the group furthest behind its
+        place) runs first, then the cheapest execution."""
         whole, fragments, deadlines, escalated = self.decide(now, entries, cost)
         if escalated is not None:
             return escalated, None
@@ -230,7 +234,13 @@ class HoldScheduler(DefragScheduler):
             if self.idle_wait:
                 return None, min(deadlines)
             runnable = [e[0] for e in entries]
-        if self.priority == "shortest":
+        if self.priority == "phase" and phase is not None:
+            n_of = {e[0]: e[1] for e in entries}
+            q_of = {e[0]: q for e, q in zip(entries, phase)}
+            best = min(runnable, key=lambda layer: (q_of[layer], cost(layer.kind, n_of[layer]),
+                                                    layer.order(), layer.index))
+            return best, None
+        if self.priority in ("shortest", "phase"):
             n_of = {e[0]: e[1] for e in entries}
             best = min(runnable, key=lambda layer: (cost(layer.kind, n_of[layer]),
                                                     layer.order(), layer.index))

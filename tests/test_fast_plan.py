@@ -199,3 +199,37 @@ def test_intra_server_part_spreads_over_the_stages(case):
       assert got == want
       assert all(p <= 2 * n for p, _, _ in got)
       assert sum(r for _, _, r in got) == t[src, dst]
+
+
+@given(traffic_cases())
+def test_redistribution_runs_over_two_phases(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  plan = pl.execution_plan(t, n, m, s)
+  ops = plan.ops
+  sb = s.num_bvn_stages
+  srv = np.arange(n * m) // m
+  # Redistribution ops: within a server, from a GPU that is not the flow's
+  # source, to the flow's destination.
+  red = ops[(srv[ops[:, pl.SRC]] == srv[ops[:, pl.DST]])
+            & (ops[:, pl.SRC] != ops[:, pl.FLOW_SRC])
+            & (ops[:, pl.DST] == ops[:, pl.FLOW_DST])]
+  want = np.zeros(sb + 2, np.int64)
+  for k in range(sb):
+    for tr in ref._stage_of_kind(s, "redistribute", k).transfers:
+      late = pl.redistribution_split(tr.amount) if k < sb - 1 else 0
+      want[k + 2] += tr.amount - late
+      if late:
+        want[k + 3] += late
+  got = np.bincount(red[:, pl.PHASE], red[:, pl.ROWS], sb + 2) if sb else 0
+  np.testing.assert_array_equal(got, want if sb else 0)
+  # Each relayed piece leaves its GPU as at most two ops (head, tail), the
+  # tail right after the head's rows, one phase later.
+  for fs, fd, relay in {tuple(o) for o in red[:, [pl.FLOW_SRC, pl.FLOW_DST,
+                                                  pl.SRC]]}:
+    mine = red[(red[:, pl.FLOW_SRC] == fs) & (red[:, pl.FLOW_DST] == fd)
+               & (red[:, pl.SRC] == relay)]
+    rows = mine[np.argsort(mine[:, pl.FLOW_ROW], kind="stable")]
+    assert (np.diff(rows[:, pl.PHASE]) >= 0).all()
+    assert (rows[1:, pl.FLOW_ROW] == (rows[:, pl.FLOW_ROW]
+                                      + rows[:, pl.ROWS])[:-1]).all()

@@ -152,6 +152,22 @@ def intra_cuts(real, num_servers: int):
   return cut
 
 
+# Of a redistribution transfer of ``amount`` rows (BvN stage k < S - 1),
+# the last ``amount * num // den`` run a phase later, beside the next
+# stage's redistribution (``redistribution_split``).
+REDISTRIBUTION_DEFER = (1, 4)
+
+
+def redistribution_split(amount: int) -> int:
+  """Rows of a redistribution transfer (not the last stage's) that run in
+  phase ``k + 3`` instead of ``k + 2``: its last quarter (rounded down).
+  A hot GPU's redistribution of one stage then spreads over two scale-out
+  stages; the relay sends the piece's head, then its tail, so the
+  destination still receives each lane's rows of a flow in order."""
+  num, den = REDISTRIBUTION_DEFER
+  return int(amount) * num // den
+
+
 def stage_phase(kind: str, bvn_index: int, num_bvn_stages: int) -> int:
   """Phase of a schedule stage (see the module docstring); for the
   intra-server part, split over the stages (``intra_cuts``), the phase of
@@ -269,11 +285,16 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int,
       ops.append((phase, src, dst, rows, buf, row, dst_buf, dst_row, fs, fd,
                   flow_row))
 
-  def run(stage, phase):
+  def run(stage, phase, part=None):
+    """Every transfer of ``stage``; ``part`` ("head" / "tail") only the
+    rows ``redistribution_split`` gives it (the tail: the head's rest)."""
     for tr in stage.transfers:
       fs, fd = tr.flow
-      move(phase, tr.src_gpu, tr.dst_gpu,
-           hold.take((tr.src_gpu, fs, fd), tr.amount, False, phase), fs, fd)
+      tail = redistribution_split(tr.amount)
+      y = {None: tr.amount, "head": tr.amount - tail, "tail": tail}[part]
+      if y > 0:
+        move(phase, tr.src_gpu, tr.dst_gpu,
+             hold.take((tr.src_gpu, fs, fd), y, False, phase), fs, fd)
 
   def balance(k, phase):
     """Balancing by use: the units stage k's scale-out sends from a lane
@@ -315,10 +336,16 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int,
     for k in range(s_bvn):
       run(ref._stage_of_kind(schedule, "scale_out", k), k + 1)
       run_intra(k, k + 1)
+      if k > 1:
+        run(ref._stage_of_kind(schedule, "redistribute", k - 2), k + 1, "tail")
       if k > 0:
-        run(ref._stage_of_kind(schedule, "redistribute", k - 1), k + 1)
+        run(ref._stage_of_kind(schedule, "redistribute", k - 1), k + 1,
+            "head")
       if k + 1 < s_bvn:
         balance(k + 1, k + 1)
+    if s_bvn > 1:
+      run(ref._stage_of_kind(schedule, "redistribute", s_bvn - 2), s_bvn + 1,
+          "tail")
     run(ref._stage_of_kind(schedule, "redistribute", s_bvn - 1), s_bvn + 1)
   if hold.segs or any(reserved.values()):
     key = next(iter(hold.segs or {k: v for k, v in reserved.items() if v}))

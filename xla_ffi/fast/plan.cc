@@ -85,16 +85,26 @@ class IntraCuts {
   bool first_ = true;
 };
 
+// Of a redistribution row of `amount` units of BvN stage k < S - 1, the
+// last RedistributionTail(amount) run a phase later (plan.py's
+// redistribution_split): a quarter, rounded down.
+constexpr int64_t kDeferNum = 1, kDeferDen = 4;
+int64_t RedistributionTail(int64_t amount) {
+  return static_cast<int64_t>(static_cast<__int128>(amount) * kDeferNum /
+                              kDeferDen);
+}
+
 // Calls, until one returns false, in plan order: balance(k, phase) for
 // the balancing by use of BvN stage k (k = 0 in phase 0, stage k + 1 in
 // phase k + 1), and apply(row, phase, first, rows) on every other row
 // (`rows` of its units from unit `first` on): without BvN stages the
 // intra-server part (phase 0); else per stage k the scale-out of stage k
 // (phase k + 1), stage k's share of the intra-server part (IntraCuts), the
-// redistribution of stage k - 1 (k > 0), then the balancing of stage
-// k + 1; the last redistribution in phase S + 1.  Balancing rows (stage 0)
-// are not applied: the balancing moves by use.  Returns whether every call
-// returned true.
+// tail of stage k - 2's redistribution rows (k > 1), the head of stage
+// k - 1's (k > 0; head and tail: RedistributionTail), then the balancing
+// of stage k + 1; in phase S + 1 the tail of stage S - 2's and the whole
+// last redistribution.  Balancing rows (stage 0) are not applied: the
+// balancing moves by use.  Returns whether every call returned true.
 template <typename Apply, typename Balance>
 bool RunStages(const FastSchedule& schedule, const StageIndex& index,
                Apply apply, Balance balance) {
@@ -105,6 +115,17 @@ bool RunStages(const FastSchedule& schedule, const StageIndex& index,
     for (int64_t i = index.begin[st]; i < index.end[st]; ++i) {
       const int64_t* row = rows + i * kTransferCols;
       if (!apply(row, phase, 0, row[kAmount])) return false;
+    }
+    return true;
+  };
+  // Head (tail = false) or tail of every redistribution row of code st.
+  auto run_part = [&](int64_t st, int64_t phase, bool tail) {
+    for (int64_t i = index.begin[st]; i < index.end[st]; ++i) {
+      const int64_t* row = rd + i * kTransferCols;
+      const int64_t late = RedistributionTail(row[kAmount]);
+      const int64_t first = tail ? row[kAmount] - late : 0;
+      const int64_t rows = tail ? late : row[kAmount] - late;
+      if (rows > 0 && !apply(row, phase, first, rows)) return false;
     }
     return true;
   };
@@ -122,8 +143,16 @@ bool RunStages(const FastSchedule& schedule, const StageIndex& index,
       const int64_t lo = cuts.Lo(row[kAmount]), hi = cuts.Hi(row[kAmount]);
       if (hi > lo && !apply(row, phase, lo, hi - lo)) return false;
     }
-    if (k > 0 && !run(1 + 2 * static_cast<int64_t>(k), phase)) return false;
+    if (k > 1 && !run_part(2 * static_cast<int64_t>(k) - 1, phase, true)) {
+      return false;
+    }
+    if (k > 0 && !run_part(1 + 2 * static_cast<int64_t>(k), phase, false)) {
+      return false;
+    }
     if (k + 1 < s && !balance(k + 1, phase)) return false;
+  }
+  if (s > 1 && !run_part(2 * static_cast<int64_t>(s) - 1, s + 1, true)) {
+    return false;
   }
   return run(1 + 2 * static_cast<int64_t>(s), s + 1);
 }
@@ -412,6 +441,8 @@ std::string RankPlanner::Plan(const int64_t* traffic,
   balanced_head_ = 0;
   relay_.clear();
   relay_head_ = 0;
+  late_.clear();
+  late_head_ = 0;
   bump_ = 0;
   GiverChunks(schedule);
   chunk_head_ = 0;
@@ -453,8 +484,9 @@ std::string RankPlanner::Plan(const int64_t* traffic,
     return "internal error: rank " + std::to_string(rank_) +
            " keeps balancing rows";
   }
-  if (relay_head_ != relay_.size()) {
-    const Held& h = relay_[relay_head_];
+  if (relay_head_ != relay_.size() || late_head_ != late_.size()) {
+    const Held& h = relay_head_ != relay_.size() ? relay_[relay_head_]
+                                                 : late_[late_head_];
     return "internal error: rank " + std::to_string(rank_) +
            " keeps relayed rows of flow " + FlowText(h.flow_src, h.flow_dst);
   }
@@ -646,8 +678,8 @@ bool RankPlanner::Apply(const int64_t* row, int64_t phase, int64_t first,
                 std::to_string(out->num_phases()));
   }
   if (row[kStage] == 1) return Intra(row, phase, first, rows, out);
-  if (row[kSrc] == rank_) return Send(row, phase, out);
-  if (row[kDst] == rank_) return Receive(row, phase, out);
+  if (row[kSrc] == rank_) return Send(row, phase, first, rows, out);
+  if (row[kDst] == rank_) return Receive(row, phase, rows, out);
   return Fail("has a row of GPUs " + std::to_string(row[kSrc]) + " -> " +
               std::to_string(row[kDst]));
 }
@@ -669,8 +701,9 @@ bool RankPlanner::Intra(const int64_t* row, int64_t phase, int64_t first,
   return Fail("has intra-server rows of flow " + FlowText(fs, fd));
 }
 
-bool RankPlanner::Send(const int64_t* row, int64_t phase, RankProgram* out) {
-  const int64_t stage = row[kStage], peer = row[kDst], rows = row[kAmount];
+bool RankPlanner::Send(const int64_t* row, int64_t phase, int64_t first,
+                       int64_t rows, RankProgram* out) {
+  const int64_t stage = row[kStage], peer = row[kDst];
   const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
   const auto lost = [&] {
     return Fail("sends " + std::to_string(rows) + " rows of flow " +
@@ -699,22 +732,40 @@ bool RankPlanner::Send(const int64_t* row, int64_t phase, RankProgram* out) {
     ++balanced_head_;
     return true;
   }
-  // Redistribution: the oldest scale-out piece, whole.
+  // Redistribution: the head of the oldest scale-out piece (its tail
+  // waits in late_ for the row's second part), or the oldest such tail.
+  if (first > 0) {
+    if (late_head_ == late_.size()) return lost();
+    const Held& h = late_[late_head_];
+    if (h.flow_src != fs || h.flow_dst != fd || h.rows != rows ||
+        h.ready > phase) {
+      return lost();
+    }
+    Push(RankOpKind::kSend, peer, rows, h.buf, h.row, kNotMine, kNotMine,
+         phase, out);
+    ++late_head_;
+    return true;
+  }
   if (relay_head_ == relay_.size()) return lost();
   const Held& h = relay_[relay_head_];
-  if (h.flow_src != fs || h.flow_dst != fd || h.rows != rows ||
-      h.ready > phase) {
+  if (h.flow_src != fs || h.flow_dst != fd || h.rows != row[kAmount] ||
+      rows > h.rows || h.ready > phase) {
     return lost();
   }
   Push(RankOpKind::kSend, peer, rows, h.buf, h.row, kNotMine, kNotMine, phase,
        out);
+  if (rows < h.rows) {
+    Held& rest = late_.emplace_back(h);
+    rest.row += rows;
+    rest.rows -= rows;
+  }
   ++relay_head_;
   return true;
 }
 
-bool RankPlanner::Receive(const int64_t* row, int64_t phase,
+bool RankPlanner::Receive(const int64_t* row, int64_t phase, int64_t rows,
                           RankProgram* out) {
-  const int64_t stage = row[kStage], peer = row[kSrc], rows = row[kAmount];
+  const int64_t stage = row[kStage], peer = row[kSrc];
   const int64_t fs = row[kFlowSrc], fd = row[kFlowDst];
   const bool scale_out = stage >= 2 && stage % 2 == 0;
   if (fd == rank_ && stage >= 2) {

@@ -172,8 +172,10 @@ class RankPlanner {
              RankProgram* out);
   bool Intra(const int64_t* row, int64_t phase, int64_t first, int64_t rows,
              RankProgram* out);
-  bool Send(const int64_t* row, int64_t phase, RankProgram* out);
-  bool Receive(const int64_t* row, int64_t phase, RankProgram* out);
+  bool Send(const int64_t* row, int64_t phase, int64_t first, int64_t rows,
+            RankProgram* out);
+  bool Receive(const int64_t* row, int64_t phase, int64_t rows,
+               RankProgram* out);
   bool Fail(std::string why);
   void Push(RankOpKind kind, int64_t peer, int64_t rows, int64_t src_buf,
             int64_t src_row, int64_t dst_buf, int64_t dst_row, int64_t phase,
@@ -209,6 +211,8 @@ class RankPlanner {
   std::vector<PairStage> pair_stages_;
   std::vector<Held> relay_;         // scale-out pieces to redistribute
   size_t relay_head_ = 0;
+  std::vector<Held> late_;          // their tails, sent a phase later
+  size_t late_head_ = 0;
   int64_t bump_ = 0;                // workspace rows used
   int64_t phase_ = 0;               // phase of the last op pushed
 };

@@ -462,6 +462,31 @@ def _stats(xs):
               max=float(np.max(xs)))
 
 
+# Targets of the executed plan (completion / two-tier bound, every seed).
+EXECUTED_TARGETS = {"uniform": 1.05, "zipf0.9": 1.08}
+# Phases of a worst seed listed in the record: those with NVLink exposed
+# longer than this fraction of the two-tier bound.
+WORST_PHASE_MIN = 0.005
+
+
+def _worst_phases(seed, ex, bound2, fabric):
+  """One seed's executed time and the phases whose NVLink part its
+  scale-out does not hide: per phase (over the two-tier bound) the
+  scale-out, the NVLink part, the busiest NVLink port and its bytes by
+  kind as time on that port."""
+  up = fabric.scale_up.bandwidth_Bps
+  rows = []
+  for p in np.flatnonzero(ex["exposed"] > WORST_PHASE_MIN * bound2):
+    rows.append(dict(
+        phase=int(p), scale_out=float(ex["scale_out"][p] / bound2),
+        scale_up=float(ex["scale_up"][p] / bound2),
+        port=f"GPU {int(ex['gpu'][p])} " + ("recv" if ex["recv"][p] else "send"),
+        **{k: float(ex["bytes"][p, i] / up / bound2)
+           for i, k in enumerate(sim.NVLINK_KINDS)}))
+  return dict(seed=int(seed), executed=float(ex["total"] / bound2),
+              num_phases=int(len(ex["phases"])), phases=rows)
+
+
 def run_executed():
   """The plan that executes (``cpp.execution_plan``, what the custom call
   issues) timed by ``simulator.executed_plan_time``, over the two-tier
@@ -472,7 +497,9 @@ def run_executed():
     g = n * m
     for kind, skew in EXECUTED_WORKLOADS.items():
       per = {r: dict(executed=[], searched=[], bound_ratio=[], phases=[],
-                     exposed_first=[], exposed_middle=[], exposed_last=[])
+                     exposed_first=[], exposed_middle=[], exposed_last=[],
+                     **{f"exposed_{k}": [] for k in sim.NVLINK_KINDS},
+                     worst=None)
              for r in EXECUTED_FABRICS}
       t0 = time.perf_counter()
       for seed in range(FLAGS.executed_seeds):
@@ -487,8 +514,19 @@ def run_executed():
           rows = np.concatenate([d["transfers"], d["redistribution"]])
         for ratio, fabric in EXECUTED_FABRICS.items():
           bound2 = sim.two_tier_bound_time(t, n, m, fabric)
-          ex = sim.executed_plan_time(plan, fabric)
+          ex = sim.executed_phase_breakdown(plan, fabric)
           per[ratio]["executed"].append(ex["total"] / bound2)
+          # Exposed NVLink time by what the busiest port carried (shares
+          # of its bytes in each phase).
+          load = ex["bytes"].sum(axis=1, keepdims=True)
+          share = np.divide(ex["bytes"], load, out=np.zeros_like(ex["bytes"]),
+                            where=load > 0)
+          by_kind = (share * ex["exposed"][:, None]).sum(axis=0) / bound2
+          for k, v in zip(sim.NVLINK_KINDS, by_kind):
+            per[ratio][f"exposed_{k}"].append(float(v))
+          worst = per[ratio]["worst"]
+          if worst is None or ex["total"] / bound2 > worst["executed"]:
+            per[ratio]["worst"] = _worst_phases(seed, ex, bound2, fabric)
           # NVLink time no scale-out of its phase hides: phases 0-1 (first
           # balancing, the second stage's balancing behind the first
           # scale-out), the middle phases, the last redistribution.
@@ -511,7 +549,10 @@ def run_executed():
                  phases=_stats(v["phases"]),
                  exposed_up=dict(first=_stats(v["exposed_first"]),
                                  middle=_stats(v["exposed_middle"]),
-                                 last=_stats(v["exposed_last"])), raw=v)
+                                 last=_stats(v["exposed_last"]),
+                                 **{k: _stats(v[f"exposed_{k}"])
+                                    for k in sim.NVLINK_KINDS}),
+                 worst_seed=v.pop("worst"), raw=v)
         results.append(r)
         e = r["executed_over_two_tier"]
         print(f"executed {shape} {kind} {ratio}: {e['min']:.3f} / "
@@ -560,12 +601,18 @@ def write_executed(results, meta):
            "`scale_out`, when positive), over the two-tier bound, summed over "
            "phases 0-1 (the first stage's balancing, the second's behind the "
            "first scale-out), the middle phases and the last (the last "
-           "redistribution); medians over the seeds", "",
+           "redistribution); medians over the seeds",
+           "- `exposed by kind`: the same exposed time per phase split in "
+           "proportion to what the busiest NVLink port carried in it "
+           "(`simulator.executed_phase_breakdown`: balancing / "
+           "redistribution / intra-server flows), summed over the phases; "
+           "medians over the seeds", "",
            "| servers x GPUs | traffic | NIC:NVLink | executed / two-tier "
            "bound (min / median / max) | searched layout / two-tier bound "
            "(comparison) | two-tier / bound (median) | phases (median) | "
-           "exposed NVLink: phases 0-1 / middle / last |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "exposed NVLink: phases 0-1 / middle / last | exposed by kind: "
+           "balancing / redistribution / intra |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
   def fmt(x):
     return ("—" if x is None else
@@ -580,7 +627,35 @@ def write_executed(results, meta):
         f"{r['phases']['median']:.0f} | "
         f"{r['exposed_up']['first']['median']:.3f} / "
         f"{r['exposed_up']['middle']['median']:.3f} / "
-        f"{r['exposed_up']['last']['median']:.3f} |")
+        f"{r['exposed_up']['last']['median']:.3f} | " +
+        " / ".join(f"{r['exposed_up'][k]['median']:.3f}"
+                   for k in sim.NVLINK_KINDS) + " |")
+  missed = [r for r in results if r["workload"] in EXECUTED_TARGETS and
+            r["executed_over_two_tier"]["max"] >
+            EXECUTED_TARGETS[r["workload"]]]
+  lines += ["", "## Worst seeds above the target", "",
+            "Rows whose worst seed is above its target (uniform "
+            f"{EXECUTED_TARGETS['uniform']}, Zipf 0.9 "
+            f"{EXECUTED_TARGETS['zipf0.9']}): that seed's phases with NVLink "
+            f"exposed by more than {WORST_PHASE_MIN} x the two-tier bound; "
+            "per phase, over the two-tier bound, the scale-out, the NVLink "
+            "part, and the busiest NVLink port's bytes by kind as time on "
+            "that port (`simulator.executed_phase_breakdown`).", ""]
+  if not missed:
+    lines.append("None.")
+  for r in missed:
+    w = r["worst_seed"]
+    lines += [f"### {r['shape']} {r['workload']} {r['ratio']}: seed {w['seed']}"
+              f", {w['executed']:.3f}, {w['num_phases']} phases", "",
+              "| phase | scale-out | NVLink | busiest port | balancing | "
+              "redistribution | intra |", "| --- | --- | --- | --- | --- | "
+              "--- | --- |"]
+    for ph in w["phases"]:
+      lines.append(
+          f"| {ph['phase']} | {ph['scale_out']:.3f} | {ph['scale_up']:.3f} | "
+          f"{ph['port']} | " + " | ".join(f"{ph[k]:.3f}"
+                                           for k in sim.NVLINK_KINDS) + " |")
+    lines.append("")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
 

@@ -198,3 +198,20 @@ def test_executed_plan_time_is_exact_and_above_the_bound(n, skew):
   assert res["total"] >= sim.two_tier_bound_time(t, n, 8)
   # Balancing runs by use: phase 0 holds only stage 0's.
   assert res["phases"].shape == (p.num_phases,)
+
+
+@pytest.mark.skipif(not cpp.available(), reason="moe_jax._fast not built")
+def test_executed_phase_breakdown_names_the_busiest_port():
+  t = workloads.zipf_matrix(np.random.default_rng(3), 16, 0.9, 1e6)
+  plan = cpp.execution_plan(t, 2, 8)
+  fabric = sim.Fabric()
+  br = sim.executed_phase_breakdown(plan, fabric)
+  ex = sim.executed_plan_time(plan, fabric)
+  np.testing.assert_allclose(br["phases"], ex["phases"])
+  # The port's bytes by kind make up the NVLink cost of each phase.
+  load = br["bytes"].sum(axis=1)
+  up = fabric.scale_up
+  want = np.where(load > 0, up.alpha_s + load / up.bandwidth_Bps, 0.0)
+  np.testing.assert_allclose(want, ex["scale_up"])
+  np.testing.assert_allclose(
+      br["exposed"], np.maximum(ex["scale_up"] - ex["scale_out"], 0))

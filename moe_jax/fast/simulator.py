@@ -692,3 +692,45 @@ def executed_plan_time(plan, fabric: Fabric = Fabric()) -> dict:
                            link.alpha_s + peak / link.bandwidth_Bps, 0.0)
   phases = np.maximum(costs["scale_up"], costs["scale_out"])
   return {"total": float(phases.sum()), "phases": phases, **costs}
+
+
+# Kinds of NVLink ops of an execution plan (``executed_phase_breakdown``).
+NVLINK_KINDS = ("balancing", "redistribution", "intra")
+
+
+def executed_phase_breakdown(plan, fabric: Fabric = Fabric()) -> dict:
+  """What each phase's NVLink part carries on its busiest port.
+
+  Per phase of ``plan`` (as ``executed_plan_time`` times it): the busiest
+  scale-up port (GPU and direction, the one that sets the phase's NVLink
+  cost) and its bytes by kind of op: ``balancing`` (from the flow's
+  source to another lane of its server), ``redistribution`` (from a lane
+  that is not the source to the flow's destination) and ``intra`` (a flow
+  within a server, source to destination); ``exposed``: how much longer
+  the NVLink part lasts than the scale-out (``scale_up - scale_out`` when
+  positive, seconds).
+
+  Returns dict with ``gpu`` and ``recv`` (int[P], bool[P]: the port),
+  ``bytes`` (float[P, 3], by ``NVLINK_KINDS``), ``exposed`` (float[P]) and
+  ``executed_plan_time``'s entries.
+  """
+  ex = executed_plan_time(plan, fabric)
+  ops = np.asarray(plan.ops, np.int64).reshape(-1, 11)
+  m = int(plan.gpus_per_server)
+  p = int(plan.num_phases)
+  ops = ops[(ops[:, 1] != ops[:, 2]) & (ops[:, 1] // m == ops[:, 2] // m)]
+  g = int(max(ops[:, 1].max(initial=-1), ops[:, 2].max(initial=-1)) + 1)
+  kind = np.where(ops[:, 1] == ops[:, 8],
+                  np.where(ops[:, 2] == ops[:, 9], 2, 0), 1)
+  gpu = np.zeros(p, np.int64)
+  recv = np.zeros(p, bool)
+  by_kind = np.zeros((p, len(NVLINK_KINDS)))
+  if g:
+    sent = np.bincount(ops[:, 0] * g + ops[:, 1], ops[:, 3], p * g).reshape(p, g)
+    got = np.bincount(ops[:, 0] * g + ops[:, 2], ops[:, 3], p * g).reshape(p, g)
+    recv = got.max(axis=1) > sent.max(axis=1)
+    gpu = np.where(recv, got.argmax(axis=1), sent.argmax(axis=1))
+    port = np.where(recv[ops[:, 0]], ops[:, 2], ops[:, 1]) == gpu[ops[:, 0]]
+    np.add.at(by_kind, (ops[port, 0], kind[port]), ops[port, 3])
+  exposed = np.maximum(ex["scale_up"] - ex["scale_out"], 0.0)
+  return dict(ex, gpu=gpu, recv=recv, bytes=by_kind, exposed=exposed)

@@ -33,8 +33,10 @@ ENGINES = [("sync", {}), ("sync", {"replicate": 1}), ("defrag", {}), ("mtfs", {}
            ("flfs", {}), ("hold", {}), ("hold", {"idle_wait": False}),
            ("hold", {"whole_first": False}),
            ("hold", {"wave_groups": 2, "separate_groups": True, "stagger_s": 2e-3}),
-           ("hold", {"wave_groups": 3})]
-RUN_KEYS = ("wave_groups", "separate_groups", "stagger_s")
+           ("hold", {"wave_groups": 3}),
+           ("hold", {"priority": "phase", "wave_groups": 2, "separate_groups": True,
+                     "phase_offsets": [0.0, 2.0]})]
+RUN_KEYS = ("wave_groups", "separate_groups", "stagger_s", "phase_offsets")
 
 
 @pytest.mark.parametrize("mode", rs.MODES)
@@ -257,3 +259,38 @@ def test_hold_priority_shortest_execution_first():
         0.0, queues, [big, small], _flat, state)[0] == big[0]
     with pytest.raises(ValueError, match="priority"):
         HoldScheduler(priority="longest")
+
+
+def test_hold_priority_phase_runs_the_group_furthest_behind():
+    state = SchedulerState(8)
+    big = _entry(1, tk.EXPERT, 0, 300, 0.0, 0)
+    small = _entry(5, tk.EXPERT, 1, 10, 0.0, 0)
+    queues = {big[0]: 300, small[0]: 10}
+    s = HoldScheduler(priority="phase")
+    # the big queue's group is two stages behind its place: it goes first
+    assert s.pick_timed(0.0, queues, [big, small], _flat, state, phase=[-1.0, 1.0])[0] == big[0]
+    # within the band (one stage) the groups are level: cheapest first
+    assert s.pick_timed(0.0, queues, [big, small], _flat, state, phase=[-0.2, 0.2])[0] == small[0]
+    assert HoldScheduler(priority="phase", phase_band=0).pick_timed(
+        0.0, queues, [big, small], _flat, state, phase=[-0.2, 0.2])[0] == big[0]
+    # without phases it is the cheapest execution first
+    assert s.pick_timed(0.0, queues, [big, small], _flat, state)[0] == small[0]
+    with pytest.raises(ValueError, match="phase_band"):
+        HoldScheduler(phase_band=-1)
+
+
+def test_phase_offsets_put_the_rotated_hot_expert_on_other_devices(costs):
+    # T2's shape: 8 devices, one expert each, hot expert rotated per block
+    trace = rs.TraceModel(8, 16, 1, 3.0, "rotated")
+    setup = rs.Setup(trace, costs, 8, 8, 2048)
+    assert rs.phase_offsets(setup, 1) == [0.0]
+    for G in (2, 3, 4):
+        offs = rs.phase_offsets(setup, G)
+        assert offs[0] == 0.0 and len(set(offs)) == G
+        # no two groups at blocks whose hot expert sits on the same device
+        hot = {int(o) % 8 for o in offs}
+        assert len(hot) == G, offs
+    setup1, arr, ln, routes, off = _workload(costs)
+    with pytest.raises(ValueError, match="phase_offsets"):
+        rs.run_async(setup1, HoldScheduler(), arr, ln, routes, off, wave_groups=2,
+                     phase_offsets=[0.0])

@@ -29,7 +29,10 @@ many blocks the pipeline has. None means every queue is empty.
   queues it may run it takes the cheapest execution (shortest processing
   time first: the waves waiting behind it are released soonest), or with
   priority="score" the defrag score with the lookahead capped at stages - 1
-  (no wrap onto itself). Without a timed view (`pick`) it is that capped
+  (no wrap onto itself), or with priority="phase" (wave groups kept at
+  phase offsets, `routesim.phase_offsets`) the group furthest behind its
+  place first, phase errors compared in whole stages (`phase_band`), then
+  the cheapest execution. Without a timed view (`pick`) it is that capped
   defrag score alone, work-conserving.
 """
 
@@ -155,13 +158,17 @@ class HoldScheduler(DefragScheduler):
         score, "shortest" the cheapest execution (shortest processing time
         first: the other waves on the device are released soonest).
       lookahead, decay: the defrag score; lookahead is capped at stages - 1.
+      phase_band: with priority="phase", phase errors are compared in units
+        of this many stages (rounded; default 1, the offsets' granularity):
+        groups within about half a band of each other count as level and the
+        cheapest execution decides; 0 compares them exactly.
     """
 
     name = "hold"
 
     def __init__(self, hold_s: float = 1e-3, escalate_s: float = 0.030, slack: float = 0.02,
                  idle_wait: bool = True, lookahead: int = 7, decay: float = 0.8,
-                 whole_first: bool = True, priority: str = "shortest"):
+                 whole_first: bool = True, priority: str = "shortest", phase_band: float = 1.0):
         super().__init__(lookahead=lookahead, decay=decay)
         if not hold_s >= 0 or not escalate_s > 0 or not slack >= 0:
             raise ValueError(f"hold_s, slack must be >= 0 and escalate_s > 0, got "
@@ -174,6 +181,9 @@ class HoldScheduler(DefragScheduler):
         if priority not in ("score", "shortest", "phase"):
             raise ValueError(f"priority must be 'score', 'shortest' or 'phase', got {priority!r}")
         self.priority = priority
+        if not phase_band >= 0:
+            raise ValueError(f"phase_band must be >= 0, got {phase_band!r}")
+        self.phase_band = float(phase_band)
 
     def scores(self, queues, state):
         num_stages = state.num_blocks + 1
@@ -236,7 +246,8 @@ class HoldScheduler(DefragScheduler):
             runnable = [e[0] for e in entries]
         if self.priority == "phase" and phase is not None:
             n_of = {e[0]: e[1] for e in entries}
-            q_of = {e[0]: q for e, q in zip(entries, phase)}
+            band = self.phase_band
+            q_of = {e[0]: (round(q / band) if band else q) for e, q in zip(entries, phase)}
             best = min(runnable, key=lambda layer: (q_of[layer], cost(layer.kind, n_of[layer]),
                                                     layer.order(), layer.index))
             return best, None

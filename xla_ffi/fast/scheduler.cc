@@ -347,6 +347,29 @@ void FastScheduler::OrderStages(FastSchedule* out) {
   }
 }
 
+// The server-level part every schedule starts from (server matrix, padding,
+// decomposition, stage order), with the transfer lists emptied.
+std::string FastScheduler::ServerLevel(const int64_t* traffic, int num_servers,
+                                       int gpus_per_server, int64_t gpu,
+                                       FastSchedule* out) {
+  if (num_servers < 1) return "num_servers must be >= 1";
+  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
+  n_ = num_servers;
+  m_ = gpus_per_server;
+  const int64_t g = static_cast<int64_t>(n_) * m_;
+  if (gpu < -1 || gpu >= g) return "gpu must be -1 (all) or in [0, G)";
+  gpu_ = gpu;
+  out->num_servers = n_;
+  out->gpus_per_server = m_;
+  if (ServerMatrix(traffic, out) < 0) return "traffic must be non-negative";
+  Pad(out);
+  if (!Decompose(out)) return "internal error: no perfect matching";
+  OrderStages(out);
+  out->transfers.clear();
+  out->redistribution.clear();
+  return {};
+}
+
 std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
                                     int gpus_per_server, bool with_transfers,
                                     FastSchedule* out, int64_t gpu) {
@@ -359,21 +382,10 @@ std::string FastScheduler::Schedule(const int64_t* traffic, int num_servers,
     ExpandRows(traffic, out);
     return {};
   }
-  if (num_servers < 1) return "num_servers must be >= 1";
-  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
-  const int n = n_ = num_servers;
-  const int m = m_ = gpus_per_server;
-  const int64_t g = static_cast<int64_t>(n) * m;
-  if (gpu < -1 || gpu >= g) return "gpu must be -1 (all) or in [0, G)";
-  gpu_ = gpu;
-  out->num_servers = n;
-  out->gpus_per_server = m;
-  if (ServerMatrix(traffic, out) < 0) return "traffic must be non-negative";
-  Pad(out);
-  if (!Decompose(out)) return "internal error: no perfect matching";
-  OrderStages(out);
-  out->transfers.clear();
-  out->redistribution.clear();
+  if (std::string err = ServerLevel(traffic, num_servers, gpus_per_server, gpu, out);
+      !err.empty()) {
+    return err;
+  }
   out->pair_sent.clear();
   out->balance_begin.clear();
   out->rows = with_transfers;
@@ -385,19 +397,11 @@ std::string FastScheduler::ScheduleRanges(const int64_t* traffic,
                                           int num_servers,
                                           int gpus_per_server,
                                           FastSchedule* out) {
-  if (num_servers < 1) return "num_servers must be >= 1";
-  if (gpus_per_server < 1) return "gpus_per_server must be >= 1";
-  const int n = n_ = num_servers;
-  const int m = m_ = gpus_per_server;
-  gpu_ = -1;
-  out->num_servers = n;
-  out->gpus_per_server = m;
-  if (ServerMatrix(traffic, out) < 0) return "traffic must be non-negative";
-  Pad(out);
-  if (!Decompose(out)) return "internal error: no perfect matching";
-  OrderStages(out);
-  out->transfers.clear();
-  out->redistribution.clear();
+  if (std::string err = ServerLevel(traffic, num_servers, gpus_per_server, -1, out);
+      !err.empty()) {
+    return err;
+  }
+  const int n = n_, m = m_;
   out->rows = false;
   const size_t nn = static_cast<size_t>(n) * n;
   have_.resize(m);

@@ -163,6 +163,10 @@ class FastScheduler {
   void ExpandRows(const int64_t* traffic, FastSchedule* out);
 
  private:
+  // Server matrix, padding, decomposition and stage order of `traffic`;
+  // empties the transfer lists. gpu: -1 or the GPU a per-GPU schedule is for.
+  std::string ServerLevel(const int64_t* traffic, int num_servers, int gpus_per_server,
+                          int64_t gpu, FastSchedule* out);
   struct Piece {
     int32_t flow_src;
     int32_t flow_dst;

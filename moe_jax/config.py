@@ -88,7 +88,11 @@ class MoEConfig:
       routed_scaling: factor on the combine weights of the sigmoid router.
       load_balance_coef / router_z_coef: weights of the auxiliary losses.
       dtype: dtype of activations and expert matmul inputs.
-      param_dtype: dtype of the parameters.
+      param_dtype: dtype of the parameters. Parameters wider than `dtype`
+        (the float32 default with bfloat16 activations) are cast to
+        `dtype` inside every call: each expert weight is read in float32
+        and written once more in bfloat16 per call. For inference, keep
+        the weights in `dtype` (param_dtype=jnp.bfloat16).
       matmul: how the experts (and, with "row_invariant", the router)
         multiply; see moe_jax.ops.grouped_matmul. "auto" (default): the
         CUTLASS grouped GEMM on Hopper GPUs for bfloat16/float16 (fused

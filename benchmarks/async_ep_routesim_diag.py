@@ -123,6 +123,7 @@ def main(argv=None):
     p.add_argument("--slack", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--suffix", default="", help="appended to the record's file name")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
     costs = ProductionCosts(RECORD)
@@ -181,7 +182,7 @@ def main(argv=None):
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"async_ep_routesim_{args.workload}_diag")
+        stem = os.path.join(args.out, f"async_ep_routesim_{args.workload}_diag{args.suffix}")
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, runs=runs), f, indent=1, default=float)
         with open(stem + ".md", "w") as f:

@@ -38,7 +38,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -50,6 +49,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks.provenance import commit, portable_command, source_digest  # noqa: E402
+from benchmarks.timing import median_seconds_per_call  # noqa: E402
 from moe_jax.async_ep.costs import fine_buckets  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -162,14 +162,7 @@ def _time(fn, *args) -> float:
     jax.block_until_ready(fn(*args))
     first = time.perf_counter() - t0
     iters = max(2, min(FLAGS.iters, int(math.ceil(FLAGS.run_s / max(first, 1e-9)))))
-    runs = []
-    for _ in range(FLAGS.reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - start) / iters)
-    return statistics.median(runs)
+    return median_seconds_per_call(fn, *args, reps=FLAGS.reps, iters=iters)
 
 
 def record_of(planned, done: dict, meta: dict) -> dict:

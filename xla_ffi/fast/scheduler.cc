@@ -289,12 +289,17 @@ void FastScheduler::OrderStages(FastSchedule* out) {
     return order_size_[x] > order_size_[y] ||
            (order_size_[x] == order_size_[y] && x < y);
   };
-  if (s <= 32) {
-    for (int i = 1; i < s; ++i) {
-      const int x = order_[i];
-      int j = i;
-      for (; j > 0 && before(x, order_[j - 1]); --j) order_[j] = order_[j - 1];
-      order_[j] = x;
+  if (s <= 64) {
+    // Each stage's rank is the number of stages before it (a total
+    // order): branch-free counting, no mispredicted sort steps.
+    const int64_t* size = order_size_.data();
+    for (int x = 0; x < s; ++x) {
+      const int64_t sx = size[x];
+      int rank = 0;
+      for (int y = 0; y < s; ++y) {
+        rank += (size[y] > sx) | ((size[y] == sx) & (y < x));
+      }
+      order_[rank] = x;
     }
   } else {
     std::sort(order_.begin(), order_.end(), before);
@@ -306,23 +311,26 @@ void FastScheduler::OrderStages(FastSchedule* out) {
   scratch_inv_.assign(inverse_.begin(), inverse_.begin() + sn);
   scratch_w_.assign(out->weights.begin(), out->weights.begin() + s);
   // Parts (stage, weight) in run order.
-  parts_.clear();
+  Part* parts = GrowTo(&parts_, static_cast<size_t>(s) + 2);
+  int s2 = 0;
   for (int i = 0; i < s; ++i) {
     const int64_t w = scratch_w_[order_[i]];
     if (i != 1) {
-      parts_.push_back({order_[i], w});
+      parts[s2++] = {order_[i], w};
       continue;
     }
     int64_t done = 0;
     for (int64_t upto : {kSplitCum[0], kSplitCum[1], kSplitCum[2]}) {
-      int64_t to = static_cast<int64_t>(static_cast<__int128>(w) * upto /
-                                        kSplitCum[2]);
+      // 64-bit unless w * upto could overflow (no 128-bit division).
+      int64_t to = w <= INT64_MAX / kSplitCum[2]
+                       ? w * upto / kSplitCum[2]
+                       : static_cast<int64_t>(static_cast<__int128>(w) *
+                                              upto / kSplitCum[2]);
       if (upto != kSplitCum[2]) to -= to % m_;
-      if (to > done) parts_.push_back({order_[i], to - done});
+      if (to > done) parts[s2++] = {order_[i], to - done};
       done = to;
     }
   }
-  const int s2 = static_cast<int>(parts_.size());
   const size_t sn2 = static_cast<size_t>(s2) * n;
   GrowTo(&inverse_, sn2);
   out->matchings.resize(sn2);
@@ -331,9 +339,9 @@ void FastScheduler::OrderStages(FastSchedule* out) {
   out->num_stages = s2;
   real_left_.assign(out->server.begin(), out->server.end());
   for (int i = 0; i < s2; ++i) {
-    const size_t src = static_cast<size_t>(parts_[i].stage) * n;
+    const size_t src = static_cast<size_t>(parts[i].stage) * n;
     const size_t dst = static_cast<size_t>(i) * n;
-    const int64_t w = parts_[i].weight;
+    const int64_t w = parts[i].weight;
     out->weights[i] = w;
     for (int u = 0; u < n; ++u) {
       const int64_t v = scratch_match_[src + u];
@@ -406,8 +414,11 @@ std::string FastScheduler::ScheduleRanges(const int64_t* traffic,
   const size_t nn = static_cast<size_t>(n) * n;
   have_.resize(m);
   want_.resize(m);
-  lanes_.resize(2 * static_cast<size_t>(m) + 2);
-  excess_.resize(m);
+  lanes_.resize(m);
+  take_end_.resize(m);
+  take_dst_.resize(m);
+  piece_end_.resize(static_cast<size_t>(m) * m);
+  piece_tag_.resize(static_cast<size_t>(m) * m);
   out->balance_begin.resize(nn + 1);
   int64_t* begin = out->balance_begin.data();
   const int64_t* d = out->server.data();
@@ -514,73 +525,108 @@ void FastScheduler::LaneShares(int a, int b, int64_t big) {
 // receivers, both in increasing lane order (so the rows go to receiving
 // lanes in non-decreasing order).  Writes the pair's balancing rows to
 // `rows`; the lane queues stay implicit (FastSchedule's ranges form).
-void FastScheduler::BalanceRanges(const int64_t* traffic, int a, int b,
-                                  int64_t big, RowBuffer* rows) {
-  const int n = n_, m = m_;
+// The givers' tails (giver order, each from its last column down: its
+// queue is columns i, i + 1, .. mod m) form one stream of non-empty pieces
+// and the receivers' deficits (lane order) split it; both are laid out
+// first as cumulative ends (independent per lane, branch-free), so the
+// merge that writes a row per overlap is a short dependent chain.
+template <int M>
+void FastScheduler::BalanceRangesM(const int64_t* traffic, int a, int b,
+                                   int64_t big, RowBuffer* rows) {
+  const int n = n_, m = M > 0 ? M : m_;
   const int64_t g = static_cast<int64_t>(n) * m;
-  LaneShares(a, b, big);
-  // Givers and receivers in lane order (then a sentinel), their excess
-  // and deficit.
-  int* givers = lanes_.data();  // 2 * (m + 1) slots
-  int* takers = givers + m + 1;
-  int64_t* excess = excess_.data();
-  int ng = 0, nt = 0;
-  int64_t total = 0;
-  for (int i = 0; i < m; ++i) {
-    const int64_t e = have_[i] - want_[i];
-    excess[i] = e < 0 ? -e : e;
-    givers[ng] = i;
-    takers[nt] = i;
-    ng += e > 0;
-    nt += e < 0;
-    total += e > 0 ? e : 0;
+  {  // LaneShares with a constant m (no division by a variable).
+    const int64_t* units = units_ + static_cast<int64_t>(a) * m * n + b;
+    for (int i = 0; i < m; ++i) have_[i] = units[static_cast<int64_t>(i) * n];
+    const int off = (a + b) % m;
+    const int64_t q = big / m;
+    const int rem = static_cast<int>(big % m);
+    for (int l = 0; l < m; ++l) {
+      int d = l - off;
+      d += m & (d >> 31);
+      want_[l] = q + (d < rem ? 1 : 0);
+    }
   }
-  if (total == 0) return;
-  givers[ng] = givers[ng - 1];
-  takers[nt] = takers[nt - 1];
-  // At most one row per giver piece plus one per receiver.
-  int64_t* w = rows->Reserve(static_cast<size_t>(m * m + 2 * m) *
-                             kTransferCols);
-  // One merge of the givers' tails (giver order, each from its last
-  // column down: its queue is columns i, i + 1, .. mod m) with the
-  // receivers' deficits (lane order); a row per overlap, none for empty
-  // columns.  Branch-free steps: the lanes' sizes are data.
-  const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
-                         static_cast<int64_t>(b) * m;
   const int64_t src0 = static_cast<int64_t>(a) * m;
   const int64_t dst0 = static_cast<int64_t>(b) * m;
-  int gi = 0, ti = 0;
-  int i = givers[0], j = takers[0];
-  int h = i == 0 ? m - 1 : i - 1;
-  const int64_t* tile = tile0 + i * g;
-  int64_t piece = tile[h], el = excess[i], dl = excess[j];
-  while (total > 0) {
-    const int64_t y = std::min(piece, std::min(el, dl));
+  // Receivers' cumulative deficits and lanes, givers in lane order.
+  int64_t* __restrict qend = take_end_.data();
+  int64_t* __restrict qdst = take_dst_.data();
+  int* __restrict givers = lanes_.data();
+  int ng = 0, nt = 0;
+  int64_t total = 0, taken = 0;
+  for (int i = 0; i < m; ++i) {
+    const int64_t e = have_[i] - want_[i];
+    const int64_t give = e > 0 ? e : 0, take = e < 0 ? -e : 0;
+    taken += take;
+    qend[nt] = taken;
+    qdst[nt] = src0 + i;
+    nt += e < 0;
+    givers[ng] = i;
+    ng += e > 0;
+    total += give;
+  }
+  if (total == 0) return;
+  // The stream: each giver's last pieces (from column i - 1 down) until its
+  // excess is covered, empty pieces left out.
+  int64_t* __restrict pend = piece_end_.data();
+  int64_t* __restrict ptag = piece_tag_.data();  // lane << 32 | column
+  const int64_t* tile0 = traffic + src0 * g + dst0;
+  int np = 0;
+  int64_t pos = 0;
+  for (int k = 0; k < ng; ++k) {
+    const int i = givers[k];
+    const int64_t* __restrict tile = tile0 + i * g;
+    const int64_t give = have_[i] - want_[i];
+    // Arithmetic, not branches: the sizes are data.  A piece ends the
+    // stream at pos + min(cum, give) (cum: the tail's units up to it) and
+    // is non-empty iff that end moves.
+    int64_t cum = 0, end = pos;
+    const int64_t top = pos + give;
+    for (int step = 0; step < m; ++step) {
+      int h = i - 1 - step;
+      if constexpr (M > 0 && (M & (M - 1)) == 0) {
+        h &= M - 1;
+      } else {
+        h += m & (h >> 31);
+      }
+      cum += tile[h];
+      const int64_t over = cum - give;
+      const int64_t next = top + (over & (over >> 63));
+      pend[np] = next;
+      ptag[np] = static_cast<int64_t>(i) << 32 | h;
+      np += next > end;
+      end = next;
+    }
+    pos += give;
+  }
+  // At most one row per piece plus one per receiver.
+  int64_t* w = rows->Reserve(static_cast<size_t>(np + nt) * kTransferCols);
+  int64_t cur = 0;
+  int pi = 0, ti = 0;
+  while (cur < total) {
+    const int64_t pe = pend[pi], qe = qend[ti];
+    const int64_t e = std::min(pe, qe);
     w[kStage] = 0;
-    w[kSrc] = src0 + i;
-    w[kDst] = src0 + j;
-    w[kAmount] = y;
-    w[kFlowSrc] = src0 + i;
-    w[kFlowDst] = dst0 + h;
-    w += y > 0 ? kTransferCols : 0;
-    total -= y;
-    piece -= y;
-    el -= y;
-    dl -= y;
-    const bool giver_done = el == 0, piece_done = piece == 0;
-    gi += giver_done;
-    i = givers[gi];
-    tile = tile0 + i * g;
-    const int back = (giver_done ? i : h) - 1;
-    h = giver_done || piece_done ? (back < 0 ? m - 1 : back) : h;
-    el = giver_done ? excess[i] : el;
-    piece = giver_done || piece_done ? tile[h] : piece;
-    const bool taker_done = dl == 0;
-    ti += taker_done;
-    j = takers[ti];
-    dl = taker_done ? excess[j] : dl;
+    const int64_t tag = ptag[pi];
+    w[kSrc] = src0 + (tag >> 32);
+    w[kDst] = qdst[ti];
+    w[kAmount] = e - cur;
+    w[kFlowSrc] = src0 + (tag >> 32);
+    w[kFlowDst] = dst0 + (tag & 0xffffffff);
+    w += kTransferCols;
+    cur = e;
+    pi += pe == e;
+    ti += qe == e;
   }
   rows->Commit(w);
+}
+
+void FastScheduler::BalanceRanges(const int64_t* traffic, int a, int b,
+                                  int64_t big, RowBuffer* rows) {
+  if (m_ == 8) return BalanceRangesM<8>(traffic, a, b, big, rows);
+  if (m_ == 4) return BalanceRangesM<4>(traffic, a, b, big, rows);
+  BalanceRangesM<0>(traffic, a, b, big, rows);
 }
 
 // Balancing of a pair of gpu_'s server for gpu_ alone (same rows and, for

@@ -198,6 +198,9 @@ class FastScheduler {
   void BuildTransfers(const int64_t* traffic, FastSchedule* out);
   void BalanceRanges(const int64_t* traffic, int a, int b, int64_t big,
                      RowBuffer* rows);
+  template <int M>
+  void BalanceRangesM(const int64_t* traffic, int a, int b, int64_t big,
+                      RowBuffer* rows);
   void PairSent(FastSchedule* out);
   void LaneShares(int a, int b, int64_t big);
   void BalancePairForGpu(const int64_t* traffic, int a, int b, int64_t big,
@@ -266,8 +269,12 @@ class FastScheduler {
   std::vector<int64_t> have_, want_, rowacc_;
   std::vector<int64_t> before_;     // [M] units of a row before gpu_'s column
   std::vector<int64_t> remaining_, sent_;
-  std::vector<int> lanes_;          // [2M + 2] givers, receivers (ranges)
-  std::vector<int64_t> excess_;     // [M] |have - want| (ranges)
+  // Balancing in the ranges form: givers, the receivers' cumulative
+  // deficits and lanes, the givers' stream pieces (cumulative ends, giver
+  // lane << 32 | column).
+  std::vector<int> lanes_;                         // [M]
+  std::vector<int64_t> take_end_, take_dst_;       // [M]
+  std::vector<int64_t> piece_end_, piece_tag_;     // [M * M]
 };
 
 // Workspace rows each GPU's plan uses (plan.h's ExecutionPlan::

@@ -289,7 +289,7 @@ void FastScheduler::OrderStages(FastSchedule* out) {
     return order_size_[x] > order_size_[y] ||
            (order_size_[x] == order_size_[y] && x < y);
   };
-  if (s <= 64) {
+  if (s <= 16) {
     // Each stage's rank is the number of stages before it (a total
     // order): branch-free counting, no mispredicted sort steps.
     const int64_t* size = order_size_.data();
@@ -300,6 +300,13 @@ void FastScheduler::OrderStages(FastSchedule* out) {
         rank += (size[y] > sx) | ((size[y] == sx) & (y < x));
       }
       order_[rank] = x;
+    }
+  } else if (s <= 32) {
+    for (int i = 1; i < s; ++i) {
+      const int x = order_[i];
+      int j = i;
+      for (; j > 0 && before(x, order_[j - 1]); --j) order_[j] = order_[j - 1];
+      order_[j] = x;
     }
   } else {
     std::sort(order_.begin(), order_.end(), before);
@@ -583,21 +590,28 @@ void FastScheduler::BalanceRangesM(const int64_t* traffic, int a, int b,
     // is non-empty iff that end moves.
     int64_t cum = 0, end = pos;
     const int64_t top = pos + give;
-    for (int step = 0; step < m; ++step) {
-      int h = i - 1 - step;
-      if constexpr (M > 0 && (M & (M - 1)) == 0) {
-        h &= M - 1;
-      } else {
-        h += m & (h >> 31);
+    const auto steps = [&](int from, int to) {
+      for (int step = from; step < to; ++step) {
+        int h = i - 1 - step;
+        if constexpr (M > 0 && (M & (M - 1)) == 0) {
+          h &= M - 1;
+        } else {
+          h += m & (h >> 31);
+        }
+        cum += tile[h];
+        const int64_t over = cum - give;
+        const int64_t next = top + (over & (over >> 63));
+        pend[np] = next;
+        ptag[np] = static_cast<int64_t>(i) << 32 | h;
+        np += next > end;
+        end = next;
       }
-      cum += tile[h];
-      const int64_t over = cum - give;
-      const int64_t next = top + (over & (over >> 63));
-      pend[np] = next;
-      ptag[np] = static_cast<int64_t>(i) << 32 | h;
-      np += next > end;
-      end = next;
-    }
+    };
+    // Half the tail first: it mostly covers the excess (a well-predicted
+    // branch then skips the rest).
+    const int half = (m + 1) / 2;
+    steps(0, half);
+    if (cum < give) steps(half, m);
     pos += give;
   }
   // At most one row per piece plus one per receiver.

@@ -422,9 +422,9 @@ std::string FastScheduler::ScheduleRanges(const int64_t* traffic,
   have_.resize(m);
   want_.resize(m);
   lanes_.resize(m);
-  take_end_.resize(m);
+  take_end_.resize(m + 1);
   take_dst_.resize(m);
-  piece_end_.resize(static_cast<size_t>(m) * m);
+  piece_end_.resize(static_cast<size_t>(m) * m + 1);
   piece_tag_.resize(static_cast<size_t>(m) * m);
   out->balance_begin.resize(nn + 1);
   int64_t* begin = out->balance_begin.data();
@@ -616,10 +616,15 @@ void FastScheduler::BalanceRangesM(const int64_t* traffic, int a, int b,
   }
   // At most one row per piece plus one per receiver.
   int64_t* w = rows->Reserve(static_cast<size_t>(np + nt) * kTransferCols);
+  // The next end of each list is loaded a row ahead and taken with a
+  // mask, so the chain from one row to the next is a compare, not a load.
+  pend[np] = total;  // read ahead past the end, never used
+  qend[nt] = total;
   int64_t cur = 0;
   int pi = 0, ti = 0;
+  int64_t pe = pend[0], qe = qend[0];
   while (cur < total) {
-    const int64_t pe = pend[pi], qe = qend[ti];
+    const int64_t pn = pend[pi + 1], qn = qend[ti + 1];
     const int64_t e = std::min(pe, qe);
     w[kStage] = 0;
     const int64_t tag = ptag[pi];
@@ -630,8 +635,12 @@ void FastScheduler::BalanceRangesM(const int64_t* traffic, int a, int b,
     w[kFlowDst] = dst0 + (tag & 0xffffffff);
     w += kTransferCols;
     cur = e;
-    pi += pe == e;
-    ti += qe == e;
+    const int64_t p_done = -static_cast<int64_t>(pe == e);
+    const int64_t q_done = -static_cast<int64_t>(qe == e);
+    pi -= static_cast<int>(p_done);
+    ti -= static_cast<int>(q_done);
+    pe ^= (pe ^ pn) & p_done;
+    qe ^= (qe ^ qn) & q_done;
   }
   rows->Commit(w);
 }

@@ -273,8 +273,8 @@ class FastScheduler {
   // deficits and lanes, the givers' stream pieces (cumulative ends, giver
   // lane << 32 | column).
   std::vector<int> lanes_;                         // [M]
-  std::vector<int64_t> take_end_, take_dst_;       // [M]
-  std::vector<int64_t> piece_end_, piece_tag_;     // [M * M]
+  std::vector<int64_t> take_end_, take_dst_;       // [M + 1], [M]
+  std::vector<int64_t> piece_end_, piece_tag_;     // [M * M + 1], [M * M]
 };
 
 // Workspace rows each GPU's plan uses (plan.h's ExecutionPlan::

@@ -195,27 +195,39 @@ void FastScheduler::FlipPath(int u, int v, int64_t cum) {
 // out->matchings / weights, with out->real (real units per stage).
 bool FastScheduler::Decompose(FastSchedule* out) {
   const int n = n_;
-  residual_.assign(out->padded.begin(), out->padded.end());
-  real_left_.assign(out->server.begin(), out->server.end());
-  key_.assign(n, 0);
-  on_padding_.assign(n, 0);
-  match_row_.assign(n, -1);
-  match_col_.assign(n, -1);
+  const size_t nn = static_cast<size_t>(n) * n;
   words_ = (n + 63) / 64;
-  seen_.assign(words_, 0);
-  support_.assign(static_cast<size_t>(n) * words_, 0);
+  // Sized once per n; every entry is set below (one pass, not an assign
+  // call per array).
+  residual_.resize(nn);
+  real_left_.resize(nn);
+  key_.resize(n);
+  on_padding_.resize(n);
+  match_row_.resize(n);
+  match_col_.resize(n);
+  seen_.resize(words_);
+  support_.resize(static_cast<size_t>(n) * words_);
+  prev_.resize(n);
+  queue_.resize(n);
+  freed_.resize(n);
+  std::memcpy(residual_.data(), out->padded.data(), nn * sizeof(int64_t));
+  std::memcpy(real_left_.data(), out->server.data(), nn * sizeof(int64_t));
+  std::memset(support_.data(), 0, support_.size() * sizeof(uint64_t));
   for (int u = 0; u < n; ++u) {
+    key_[u] = 0;
+    on_padding_[u] = 0;
+    match_row_[u] = -1;
+    match_col_[u] = -1;
+    prev_[u] = -1;
+    queue_[u] = 0;
+    freed_[u] = u;
     const int64_t* res = residual_.data() + static_cast<size_t>(u) * n;
     uint64_t* sup = support_.data() + static_cast<size_t>(u) * words_;
     for (int v = 0; v < n; ++v) {
       sup[v / 64] |= static_cast<uint64_t>(res[v] > 0) << (v % 64);
     }
   }
-  prev_.assign(n, -1);
-  queue_.assign(n, 0);
-  freed_.resize(n);
   int num_freed = n;
-  for (int u = 0; u < n; ++u) freed_[u] = u;
   const int64_t total = out->bound;
   int64_t cum = 0;  // weight subtracted so far
   int s = 0;
@@ -296,9 +308,8 @@ void FastScheduler::OrderStages(FastSchedule* out) {
     for (int x = 0; x < s; ++x) {
       const int64_t sx = size[x];
       int rank = 0;
-      for (int y = 0; y < s; ++y) {
-        rank += (size[y] > sx) | ((size[y] == sx) & (y < x));
-      }
+      for (int y = 0; y < x; ++y) rank += size[y] >= sx;
+      for (int y = x + 1; y < s; ++y) rank += size[y] > sx;
       order_[rank] = x;
     }
   } else if (s <= 32) {

@@ -491,7 +491,7 @@ void FastScheduler::ExpandRows(const int64_t* traffic, FastSchedule* out) {
       const size_t p = static_cast<size_t>(a) * n + b;
       const int64_t big = out->server[p];
       if (a == b || big == 0) continue;
-      LaneShares(a, b, big);
+      LaneShares<0>(a, b, big);
       int64_t r = out->balance_begin[p];
       const int64_t r_end = out->balance_begin[p + 1];
       Piece* pool = GrowTo(&pool_, used + static_cast<size_t>(m) * m +
@@ -523,9 +523,11 @@ void FastScheduler::ExpandRows(const int64_t* traffic, FastSchedule* out) {
 }
 
 // have_[i]: GPU a*M+i's units for server b (lane_units); want_[l]: units
-// u < big with (u + a + b) % m == l, the lane's share.
+// u < big with (u + a + b) % m == l, the lane's share. M > 0: m as a
+// compile-time constant (no division by a variable); 0: m_.
+template <int M>
 void FastScheduler::LaneShares(int a, int b, int64_t big) {
-  const int m = m_, n = n_;
+  const int m = M > 0 ? M : m_, n = n_;
   const int64_t* units = units_ + static_cast<int64_t>(a) * m * n + b;
   for (int i = 0; i < m; ++i) have_[i] = units[static_cast<int64_t>(i) * n];
   const int off = (a + b) % m;
@@ -533,7 +535,7 @@ void FastScheduler::LaneShares(int a, int b, int64_t big) {
   const int rem = static_cast<int>(big % m);
   for (int l = 0; l < m; ++l) {
     int d = l - off;
-    if (d < 0) d += m;
+    d += m & (d >> 31);
     want_[l] = q + (d < rem ? 1 : 0);
   }
 }
@@ -553,18 +555,7 @@ void FastScheduler::BalanceRangesM(const int64_t* traffic, int a, int b,
                                    int64_t big, RowBuffer* rows) {
   const int n = n_, m = M > 0 ? M : m_;
   const int64_t g = static_cast<int64_t>(n) * m;
-  {  // LaneShares with a constant m (no division by a variable).
-    const int64_t* units = units_ + static_cast<int64_t>(a) * m * n + b;
-    for (int i = 0; i < m; ++i) have_[i] = units[static_cast<int64_t>(i) * n];
-    const int off = (a + b) % m;
-    const int64_t q = big / m;
-    const int rem = static_cast<int>(big % m);
-    for (int l = 0; l < m; ++l) {
-      int d = l - off;
-      d += m & (d >> 31);
-      want_[l] = q + (d < rem ? 1 : 0);
-    }
-  }
+  LaneShares<M>(a, b, big);
   const int64_t src0 = static_cast<int64_t>(a) * m;
   const int64_t dst0 = static_cast<int64_t>(b) * m;
   // Receivers' cumulative deficits and lanes, givers in lane order.
@@ -680,7 +671,7 @@ void FastScheduler::BalancePairForGpu(const int64_t* traffic, int a, int b,
   const bool into = b == gs;
   const int64_t* tile0 = traffic + static_cast<int64_t>(a) * m * g +
                          static_cast<int64_t>(b) * m;
-  LaneShares(a, b, big);
+  LaneShares<0>(a, b, big);
   const size_t lane0 = (static_cast<size_t>(a) * n + b) * m;
   Piece* pool =
       GrowTo(&pool_, pool_used_ + 2 * static_cast<size_t>(m) * m + 2 * m);

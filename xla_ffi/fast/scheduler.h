@@ -202,6 +202,7 @@ class FastScheduler {
   void BalanceRangesM(const int64_t* traffic, int a, int b, int64_t big,
                       RowBuffer* rows);
   void PairSent(FastSchedule* out);
+  template <int M>
   void LaneShares(int a, int b, int64_t big);
   void BalancePairForGpu(const int64_t* traffic, int a, int b, int64_t big,
                          RowBuffer* rows);

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -330,12 +329,18 @@ def main(argv=None):
     text = markdown(meta, groups)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"async_ep_routesim_{args.workload}{args.suffix}")
-        with open(stem + ".json", "w") as f:
-            json.dump(dict(meta=meta, groups=groups), f, indent=1, default=float)
-        with open(stem + ".md", "w") as f:
-            f.write(text)
+        write_record(args.out, f"async_ep_routesim_{args.workload}{args.suffix}",
+                     dict(meta=meta, groups=groups), text)
+
+
+def write_record(out_dir: str, name: str, data: dict, text: str) -> None:
+    """out_dir/name.json (data) and out_dir/name.md (text)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, name)
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1, default=float)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.async_ep_routesim_bench import RECORD, WORKLOADS  # noqa: E402
+from benchmarks.async_ep_routesim_bench import RECORD, WORKLOADS, write_record  # noqa: E402
 from benchmarks.provenance import commit, portable_command, source_digest  # noqa: E402
 from moe_jax.async_ep import routesim as rs  # noqa: E402
 from moe_jax.async_ep import tokens as tk  # noqa: E402
@@ -181,12 +181,8 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"async_ep_routesim_{args.workload}_diag{args.suffix}")
-        with open(stem + ".json", "w") as f:
-            json.dump(dict(meta=meta, runs=runs), f, indent=1, default=float)
-        with open(stem + ".md", "w") as f:
-            f.write(text)
+        write_record(args.out, f"async_ep_routesim_{args.workload}_diag{args.suffix}",
+                     dict(meta=meta, runs=runs), text)
 
 
 if __name__ == "__main__":

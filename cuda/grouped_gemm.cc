@@ -70,10 +70,8 @@ std::string GroupedGemmShapeError(const GroupedGemmArgs& args) {
       break;
     case GroupedGemmOp::kForwardSwiGLU:
     case GroupedGemmOp::kTransposedB:
-      if (!out_is_in) return "the output must have the inputs' dtype";
-      break;
     case GroupedGemmOp::kWeightGrad:
-      if (!out_is_f32) return "the weight gradient is f32";
+      if (!out_is_in) return "the output must have the inputs' dtype";
       break;
   }
   return "";

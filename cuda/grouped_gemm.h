@@ -35,7 +35,7 @@ enum class GroupedGemmOp {
   // gradient of kForward); rows past the groups are zero.
   kTransposedB,
   // out[G, K, N] = a_g^T @ c_g with a[M, K] and c[M, N] (the weight gradient
-  // of kForward: a = x, c = dy); groups without rows are zero. out: f32.
+  // of kForward: a = x, c = dy); groups without rows are zero. out: dtype of a.
   kWeightGrad,
 };
 

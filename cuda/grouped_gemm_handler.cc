@@ -73,8 +73,8 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
       return Bad(kGroupedMatmul, "b", std::string(at) + "[" + std::to_string(M) + ", N]", b);
     }
     args.n = b.dimensions()[1];
-    out_shape = Shape("f32", {G, args.k, args.n});
-    out_ok = out->element_type() == ffi::DataType::F32 && HasDims(*out, {G, args.k, args.n});
+    out_shape = Shape(at, {G, args.k, args.n});
+    out_ok = out->element_type() == a.element_type() && HasDims(*out, {G, args.k, args.n});
   } else {
     if (b.element_type() != a.element_type() || b.dimensions().size() != 3 ||
         b.dimensions()[0] != G) {

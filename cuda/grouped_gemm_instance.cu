@@ -21,7 +21,7 @@ using Col = cutlass::layout::ColumnMajor;
 std::string Run(const GroupedGemmArgs& args, cudaStream_t stream, int device, int sm_count) {
 #if MOE_JAX_GEMM_BACKWARD
   if (args.op == GroupedGemmOp::kWeightGrad) {
-    return RunGroupedGemm<PlainSpec<T, float, Col, Row>, T, float>(args, stream, device, sm_count);
+    return RunGroupedGemm<PlainSpec<T, T, Col, Row>, T, T>(args, stream, device, sm_count);
   }
   return RunGroupedGemm<PlainSpec<T, T, Row, Col>, T, T>(args, stream, device, sm_count);
 #else

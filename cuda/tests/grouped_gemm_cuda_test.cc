@@ -448,7 +448,7 @@ int main() {
           {GroupedGemmOp::kForward, in, GemmElem::kF32, size_sets[i], rows, K, N},
           {GroupedGemmOp::kForwardSwiGLU, in, in, size_sets[i], rows, K, 2 * N},
           {GroupedGemmOp::kTransposedB, in, in, size_sets[i], rows, K, N},
-          {GroupedGemmOp::kWeightGrad, in, GemmElem::kF32, size_sets[i], rows, K, N},
+          {GroupedGemmOp::kWeightGrad, in, in, size_sets[i], rows, K, N},
       };
       for (const Case& c : cs) {
         CheckAgainstReference(c, rng);
@@ -462,9 +462,9 @@ int main() {
   // No rows at all: nothing to write, and an all-zero weight gradient.
   CheckAgainstReference({GroupedGemmOp::kForward, GemmElem::kBF16, GemmElem::kBF16,
                          {0, 0, 0}, 0, 64, 64}, rng);
-  CheckAgainstReference({GroupedGemmOp::kWeightGrad, GemmElem::kBF16, GemmElem::kF32,
+  CheckAgainstReference({GroupedGemmOp::kWeightGrad, GemmElem::kBF16, GemmElem::kBF16,
                          {0, 0, 0}, 0, 64, 64}, rng);
-  CheckAgainstReference({GroupedGemmOp::kWeightGrad, GemmElem::kBF16, GemmElem::kF32,
+  CheckAgainstReference({GroupedGemmOp::kWeightGrad, GemmElem::kBF16, GemmElem::kBF16,
                          {333, 0, 90, 600}, 1030, 256, 128}, rng);
   cases += 2;
   for (GemmElem in : {GemmElem::kBF16, GemmElem::kF16}) {

@@ -24,6 +24,10 @@ are rewritten after every bucket, marked partial until every bucket is in;
 once --time_budget_s has passed no further bucket starts, and the record
 stays partial (still usable: it spans 1..max_rows after two buckets).
 
+Warm-up: before the first timed bucket, every kind runs back to back at
+the largest bucket for --warmup_s seconds (a cold GPU's first buckets
+otherwise read slow: its clocks are still rising).
+
 Timing: per bucket and kind, one call compiles, one more gives a first
 estimate t; a timed run is `iters` back-to-back calls (iters =
 --run_s / t, clamped to [2, --iters]) and a block on the last; the median
@@ -63,10 +67,12 @@ flags.DEFINE_integer("max_rows", 2048, "Largest batch (the last bucket).")
 flags.DEFINE_float("bucket_step", 1.5, "Timed buckets: the next fine bucket at least this "
                    "factor above the last (1.01: every fine bucket from 8 up).")
 flags.DEFINE_integer("iters", 20, "Most calls per timed run.")
-flags.DEFINE_float("run_s", 0.005, "Target seconds per timed run (sets the calls per run).")
-flags.DEFINE_integer("reps", 5, "Timed runs per bucket and kind (the median is kept).")
+flags.DEFINE_float("run_s", 0.01, "Target seconds per timed run (sets the calls per run).")
+flags.DEFINE_integer("reps", 7, "Timed runs per bucket and kind (the median is kept).")
 flags.DEFINE_float("time_budget_s", 100.0, "No bucket starts after this many seconds; the "
                    "record then stays partial.")
+flags.DEFINE_float("warmup_s", 3.0, "Seconds of back-to-back calls at the largest bucket "
+                   "before any timing (clocks and caches up; not counted in the budget).")
 flags.DEFINE_string("out", None, "Folder for the JSON and markdown (required).")
 flags.DEFINE_string("tag", "", "File stem (default async_ep_costs_<device>).")
 
@@ -188,7 +194,8 @@ def markdown(record: dict) -> str:
               f"- jax {m['jax']}; shape: `{json.dumps(m['shape'])}`",
               f"- median of {m['reps']} runs of up to {m['iters']} back-to-back calls "
               f"(about {m['run_s'] * 1e3:g} ms per run); buckets timed coarse to fine, "
-              f"the simulation interpolates between them",
+              f"the simulation interpolates between them; {m.get('warmup_s', 0):g} s of "
+              f"warm-up at the largest bucket first",
               f"- wall time {m['elapsed_s']:.0f} s (budget {m['time_budget_s']:g} s)", "",
               "| rows | attention us | expert us | sampler us |", "|---:|---:|---:|---:|"]
     for i, b in enumerate(record["buckets"]):
@@ -225,6 +232,7 @@ def main(argv):
         source_digest=source_digest(), jax=jax.__version__, device=device.device_kind,
         platform=device.platform, iters=FLAGS.iters, reps=FLAGS.reps, run_s=FLAGS.run_s,
         bucket_step=FLAGS.bucket_step, time_budget_s=FLAGS.time_budget_s,
+        warmup_s=FLAGS.warmup_s,
         shape=dict(hidden=FLAGS.hidden, ffn=FLAGS.ffn, heads=FLAGS.heads, kv_heads=1,
                    experts=FLAGS.experts, vocab=FLAGS.vocab, context=FLAGS.context,
                    max_rows=FLAGS.max_rows, dtype="bf16"))
@@ -234,6 +242,14 @@ def main(argv):
     cache_all = _host_normal(rng, (FLAGS.max_rows, FLAGS.context, head_dim))
     fns = {"attention": jax.jit(attention), "expert": jax.jit(expert),
            "sampler": jax.jit(sampler)}
+    warm_x = jax.device_put(x_all)
+    warm_cache = jax.device_put(cache_all)
+    warm_start = time.perf_counter()
+    while time.perf_counter() - warm_start < FLAGS.warmup_s:
+        jax.block_until_ready([fns["attention"](params, warm_x, warm_cache, warm_cache),
+                               fns["expert"](params, warm_x), fns["sampler"](params, warm_x)])
+    del warm_x, warm_cache
+    start += time.perf_counter() - warm_start
     done: dict = {}
     stopped = "in progress"
     for i in coarse_to_fine(len(planned)):

@@ -8,7 +8,10 @@ Times one execution of each layer kind of the routing-only simulation
 * attention: one MQA-like decode block (RMSNorm, q / o projections H x H,
   one KV head of 128 for k and v, softmax attention of every row over its own
   `context` cached positions, router H x E), bf16;
-* expert: one SwiGLU expert (H x 2F gate/up, F x H down) on n rows, bf16;
+* expert: one SwiGLU expert (H x 2F gate/up, F x H down) on n rows, bf16,
+  through moe_jax's expert FFN (`moe_jax.experts.swiglu_grouped` with one
+  group; --expert_matmul, default "auto": the CUTLASS grouped GEMMs on
+  Hopper GPUs, XLA elsewhere);
 * sampler: final RMSNorm, LM head H x vocab and greedy argmax, bf16.
 
 Buckets: a coarse subset of the simulation's buckets
@@ -39,6 +42,7 @@ reads it.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -55,6 +59,7 @@ from absl import app, flags  # noqa: E402
 from benchmarks.provenance import commit, portable_command, source_digest  # noqa: E402
 from benchmarks.timing import median_seconds_per_call  # noqa: E402
 from moe_jax.async_ep.costs import fine_buckets  # noqa: E402
+from moe_jax.experts import ExpertWeights, swiglu_grouped  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("hidden", 4096, "Model width H.")
@@ -62,6 +67,8 @@ flags.DEFINE_integer("ffn", 14336, "Expert width F.")
 flags.DEFINE_integer("heads", 32, "Query heads (of 128, or hidden / heads).")
 flags.DEFINE_integer("experts", 8, "Router outputs E.")
 flags.DEFINE_integer("vocab", 32000, "LM head outputs.")
+flags.DEFINE_enum("expert_matmul", "auto", ["auto", "cutlass", "xla"],
+                  "The expert FFN's grouped matmuls (MoEConfig.matmul).")
 flags.DEFINE_integer("context", 160, "Cached positions each row attends to.")
 flags.DEFINE_integer("max_rows", 2048, "Largest batch (the last bucket).")
 flags.DEFINE_float("bucket_step", 1.5, "Timed buckets: the next fine bucket at least this "
@@ -133,11 +140,11 @@ def attention(params, x, k_cache, v_cache):
     return y, _rms(y) @ params["wr"]
 
 
-def expert(params, x):
-    """One SwiGLU expert on n rows: [n, H] -> [n, H]."""
-    gate_up = x @ params["w_gate_up"]
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ params["w_down"]
+def expert(params, x, matmul="auto"):
+    """One SwiGLU expert on n rows through the library's expert FFN: [n, H] -> [n, H]."""
+    group_sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    weights = ExpertWeights(params["w_gate_up"][None], params["w_down"][None])
+    return swiglu_grouped(x, group_sizes, weights, compute_dtype=x.dtype, matmul=matmul)
 
 
 def sampler(params, x):
@@ -191,7 +198,8 @@ def markdown(record: dict) -> str:
                   f"buckets timed ({m['stopped']}).", ""]
     lines += [f"- date: {m['date']}", f"- command: `{m['command']}`",
               f"- commit: {m['commit']}; sources {m['source_digest']}",
-              f"- jax {m['jax']}; shape: `{json.dumps(m['shape'])}`",
+              f"- jax {m['jax']}; shape: `{json.dumps(m['shape'])}`; expert FFN: "
+              f"`swiglu_grouped(matmul={m.get('expert_matmul', 'auto')!r})`, one group",
               f"- median of {m['reps']} runs of up to {m['iters']} back-to-back calls "
               f"(about {m['run_s'] * 1e3:g} ms per run); buckets timed coarse to fine, "
               f"the simulation interpolates between them; {m.get('warmup_s', 0):g} s of "
@@ -232,7 +240,7 @@ def main(argv):
         source_digest=source_digest(), jax=jax.__version__, device=device.device_kind,
         platform=device.platform, iters=FLAGS.iters, reps=FLAGS.reps, run_s=FLAGS.run_s,
         bucket_step=FLAGS.bucket_step, time_budget_s=FLAGS.time_budget_s,
-        warmup_s=FLAGS.warmup_s,
+        warmup_s=FLAGS.warmup_s, expert_matmul=FLAGS.expert_matmul,
         shape=dict(hidden=FLAGS.hidden, ffn=FLAGS.ffn, heads=FLAGS.heads, kv_heads=1,
                    experts=FLAGS.experts, vocab=FLAGS.vocab, context=FLAGS.context,
                    max_rows=FLAGS.max_rows, dtype="bf16"))
@@ -240,7 +248,8 @@ def main(argv):
     params = _params(rng)
     x_all = _host_normal(rng, (FLAGS.max_rows, FLAGS.hidden))
     cache_all = _host_normal(rng, (FLAGS.max_rows, FLAGS.context, head_dim))
-    fns = {"attention": jax.jit(attention), "expert": jax.jit(expert),
+    fns = {"attention": jax.jit(attention),
+           "expert": jax.jit(functools.partial(expert, matmul=FLAGS.expert_matmul)),
            "sampler": jax.jit(sampler)}
     warm_x = jax.device_put(x_all)
     warm_cache = jax.device_put(cache_all)

@@ -96,7 +96,9 @@ class MoEConfig:
       matmul: how the experts (and, with "row_invariant", the router)
         multiply; see moe_jax.ops.grouped_matmul. "auto" (default): the
         CUTLASS grouped GEMM on Hopper GPUs for bfloat16/float16 (fused
-        SwiGLU epilogue, row-invariant), XLA's `lax.ragged_dot` elsewhere.
+        SwiGLU epilogue, row-invariant; one expert per rank with at most
+        512 rows runs as one dense cuBLAS matmul instead, not
+        row-invariant), XLA's `lax.ragged_dot` elsewhere.
         "cutlass": the CUTLASS kernels, or an error where they cannot run.
         "row_invariant": every row's bits depend only on that row and its
         expert's weights on every platform (the CUTLASS kernels where they

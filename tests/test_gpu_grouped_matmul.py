@@ -174,6 +174,41 @@ def test_gradients_match_xla(fused):
     assert not np.asarray(got[1], np.float32)[1].any()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("rows, size", [(1, 1), (96, 60), (512, 512), (300, -3), (513, 400)])
+def test_auto_runs_one_small_group_as_a_dense_matmul(rows, size, fused):
+    """impl="auto" with G = 1 and M <= SINGLE_GROUP_DENSE_ROWS: cuBLAS, not the
+    grouped kernel; the same values (to rounding), a zero tail, and the
+    gradients of XLA's path. Above the bound the grouped kernel runs."""
+    rng = np.random.default_rng(rows + 7 * fused)
+    k, n = 256, 384
+    x, w, gs = _case(rng, [size], rows, k, n, jnp.bfloat16)
+    op = gmm.swiglu if fused else gmm.grouped_matmul
+    fn = jax.jit(lambda x, w, s: op(x, w, s, impl="auto"))
+    hlo = fn.lower(x, w, gs).as_text()
+    dense = rows <= gmm.SINGLE_GROUP_DENSE_ROWS
+    assert (gmm.GROUPED_MATMUL in hlo) == (not dense)
+    got = np.asarray(fn(x, w, gs), np.float64)
+    covered = min(max(size, 0), rows)
+    assert not bits(np.asarray(fn(x, w, gs))[covered:]).any()
+    h = _reference(x, w, gs)
+    if fused:
+        gate, up = gmm.split_gate_up(h)
+        want = np.asarray(jax.nn.silu(gate) * up, np.float64)
+    else:
+        want = np.asarray(h, np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want) + 1e-30
+    cot = jnp.asarray(rng.standard_normal(got.shape), jnp.float32)
+
+    def grads(impl):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(
+            op(x, w, gs, impl=impl).astype(jnp.float32) * cot), argnums=(0, 1)))(x, w)
+
+    for g, r in zip(grads("auto"), grads("xla")):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert np.linalg.norm(g - r) <= 2e-2 * np.linalg.norm(r) + 1e-30
+
+
 def test_moe_layer_strategies_are_bitwise_equal_on_one_gpu():
     """matmul="auto" runs the CUTLASS kernels; every strategy (P = 1) gives
     dense's bits, and the output is close to the float32 reference."""

@@ -20,7 +20,13 @@ Implementations (`impl`):
   "xla": `jax.lax.ragged_dot` (on GPU, jaxlib 0.11.2 lowers it to a dense
     matmul over every group; not row-invariant).
   "auto": "cutlass" where it applies (GPU platform with a Hopper GPU,
-    bfloat16/float16, K and N multiples of 8), else "xla".
+    bfloat16/float16, K and N multiples of 8), else "xla"; except one
+    group (G = 1) of at most SINGLE_GROUP_DENSE_ROWS rows (M, static), which
+    runs as one dense XLA matmul (cuBLAS) with float32 results and the rows
+    past the group zeroed: the grouped kernel gives a lone small group too
+    few tiles to stream its weights at full bandwidth (one Mixtral-shape
+    expert at 1-256 rows on one H100: ~250 us through CUTLASS against
+    ~130-170 us through cuBLAS, docs/benchmarks/async_ep/async_ep_costs_1xH100.md).
 
 Every implementation is differentiable (custom VJPs: the input gradient is
 the grouped matmul with transposed weights, the weight gradient a per-group
@@ -43,6 +49,7 @@ from moe_jax.ops.ffi import available_platforms, call_ffi, check, require_handle
 GROUPED_MATMUL = "moe_jax_grouped_matmul"
 IMPLS = ("auto", "cutlass", "row_invariant", "xla")
 CUTLASS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SINGLE_GROUP_DENSE_ROWS = 512
 _GATE_UP_BLOCK = 8
 
 
@@ -119,6 +126,19 @@ def _resolve(impl: str, dtype, k: int, n: int, platform: str | None) -> str:
     return impl
 
 
+def _single_group_dense(impl: str, which: str, x, w) -> bool:
+    """impl="auto" on the CUTLASS path with one small group: a dense matmul."""
+    return (impl == "auto" and which == "cutlass" and w.shape[0] == 1
+            and x.shape[0] <= SINGLE_GROUP_DENSE_ROWS)
+
+
+def _dense_one_group(x, w, group_sizes):
+    """[M, N] float32 x @ w[0] with the rows past group_sizes[0] zero."""
+    out = jnp.dot(x, w[0], preferred_element_type=jnp.float32)
+    keep = jnp.arange(x.shape[0]) < group_sizes[0]
+    return jnp.where(keep[:, None], out, 0.0)
+
+
 def _check_operands(x, w, group_sizes):
     check(x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating), GROUPED_MATMUL, "x",
            f"must be a [M, K] floating array, got {x.dtype}{list(x.shape)}")
@@ -153,6 +173,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     group_sizes = _check_operands(x, w, group_sizes)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     which = _resolve(impl, x.dtype, x.shape[1], w.shape[2], platform)
+    if _single_group_dense(impl, which, x, w):
+        return _dense_one_group(x, w, group_sizes).astype(out_dtype)
     if which == "cutlass":
         check(out_dtype in (jnp.dtype(jnp.float32), jnp.dtype(x.dtype)), GROUPED_MATMUL,
                "out_dtype", f"must be float32 or x's dtype for impl='cutlass', got {out_dtype}")
@@ -181,6 +203,9 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
     check(two_f % 2 == 0, GROUPED_MATMUL, "w_gate_up",
            f"must have an even last dimension 2F, got {list(w_gate_up.shape)}")
     which = _resolve(impl, x.dtype, x.shape[1], two_f, platform)
+    if _single_group_dense(impl, which, x, w_gate_up):
+        gate, up = split_gate_up(_dense_one_group(x, w_gate_up, group_sizes))
+        return (jax.nn.silu(gate) * up).astype(x.dtype)
     if which == "cutlass" and gate_up_block(two_f // 2) == _GATE_UP_BLOCK:
         return _cutlass_swiglu(x, w_gate_up, group_sizes)
     if which == "cutlass":

@@ -124,9 +124,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="", help="appended to the record's file name")
+    p.add_argument("--gpu_costs", default=None,
+                   help="a benchmarks/async_ep_costs_gpu.py record: every kind's cost from it "
+                        "(default: the expert record and the modelled attention / sampler)")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
-    costs = ProductionCosts(RECORD)
+    costs = ProductionCosts(RECORD, gpu_costs=args.gpu_costs)
     trace = rs.TraceModel(w["experts"], w["blocks"], w["top_k"], w["skew"], w["mode"],
                           seed=args.seed)
     slots, G = args.slots, args.wave_groups
@@ -151,6 +154,7 @@ def main(argv=None):
              f"{G} wave groups", "", f"- date: {meta['date']}", f"- command: `{meta['command']}`",
              f"- commit: {meta['commit']}; sources {meta['source_digest']}",
              f"- host: {meta['host']}", f"- flags: `{json.dumps(dict(vars(args), out='OUT_DIR'))}`",
+             *[f"- {kind} cost: {how}" for kind, how in costs.model.items()],
              f"- sync engine at this point: {sync['tokens_per_s']:.0f} tokens/s, ITL mean "
              f"{sync['itl_mean_ms']:.3f} ms, util max {sync['util_max']:.2f}; wave stagger "
              f"{stagger * 1e3:.3f} ms", "",

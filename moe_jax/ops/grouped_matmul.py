@@ -24,9 +24,7 @@ Implementations (`impl`):
     group (G = 1) of at most SINGLE_GROUP_DENSE_ROWS rows (M, static), which
     runs as one dense XLA matmul (cuBLAS) with float32 results and the rows
     past the group zeroed: the grouped kernel gives a lone small group too
-    few tiles to stream its weights at full bandwidth (one Mixtral-shape
-    expert at 1-256 rows on one H100: ~250 us through CUTLASS against
-    ~130-170 us through cuBLAS, docs/benchmarks/async_ep/async_ep_costs_1xH100.md).
+    few tiles to stream its weights at full bandwidth (docs/design/custom_calls.md).
 
 Every implementation is differentiable (custom VJPs: the input gradient is
 the grouped matmul with transposed weights, the weight gradient a per-group

@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_jax import custom_calls
+from moe_jax.ops import ffi
 from moe_jax.plan import make_plan
 from moe_testing import ROUTINGS, bits, make_routing, mesh_of
 
@@ -169,3 +170,7 @@ def test_combine_in_an_unjitted_shard_map_with_an_empty_window(capacity, spill):
     jitted = jax.jit(run)(*args)
     np.testing.assert_array_equal(bits(np.asarray(eager)), bits(np.asarray(jitted)))
     assert np.any(np.asarray(jitted) != 0)
+    # A second eager call reuses the jitted call that builds the empty window.
+    misses = ffi._jit_with_empties.cache_info().misses
+    np.testing.assert_array_equal(bits(np.asarray(run(*args))), bits(np.asarray(eager)))
+    assert ffi._jit_with_empties.cache_info().misses == misses

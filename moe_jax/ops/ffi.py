@@ -22,6 +22,8 @@ The op families sit beside it, each with its pure-JAX reference:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,25 +85,53 @@ def call_ffi(target: str, out_types, operands, attrs, extra_axes=(), invariant_r
     invariant_results keep ffi_call's invariant type (they are the same on
     every rank)."""
     axes = varying_axes(*operands) | frozenset(extra_axes)
-    call = jax.ffi.ffi_call(target, out_types, **options)
     if any(o.size == 0 for o in operands):
         # XLA:CPU crashes compiling a custom call whose zero-sized operand is
         # a parameter of the computation (each primitive of an un-jitted
-        # shard_map is one): build such operands inside one jitted call.
-        shapes = [(o.shape, o.dtype) if o.size == 0 else None for o in operands]
-
-        def with_empties(*present):
-            given = iter(present)
-            return call(*[as_varying(jnp.zeros(*sd), axes) if sd else next(given)
-                          for sd in shapes], **attrs)
-
-        results = jax.jit(with_empties)(*[as_varying(o, axes) for o in operands if o.size])
+        # shard_map is one): build such operands inside one jitted call
+        # (cached, so eager calls do not compile it again).
+        shapes = tuple((o.shape, jnp.dtype(o.dtype)) if o.size == 0 else None
+                       for o in operands)
+        key = (target, _hashable(out_types), shapes, axes, _hashable(attrs),
+               _hashable(options))
+        try:
+            hash(key)
+        except TypeError:
+            fn = _jit_with_empties.__wrapped__(target, out_types, shapes, axes, attrs, options)
+        else:
+            fn = _jit_with_empties(*key)
+        results = fn(*[as_varying(o, axes) for o in operands if o.size])
     else:
+        call = jax.ffi.ffi_call(target, out_types, **options)
         results = call(*[as_varying(o, axes) for o in operands], **attrs)
     if not isinstance(results, (tuple, list)):
         return as_varying(results, axes)
     return type(results)(r if i in invariant_results else as_varying(r, axes)
                          for i, r in enumerate(results))
+
+
+def _hashable(value):
+    """Dicts as sorted item tuples and lists as tuples, for cache keys."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def _jit_with_empties(target, out_types, shapes, axes, attrs, options):
+    """A jitted custom call whose zero-sized operands (`shapes[i]` not None)
+    are built inside it; the other operands are its arguments."""
+    attrs, options = dict(attrs), dict(options)
+    call = jax.ffi.ffi_call(target, out_types, **options)
+
+    def with_empties(*present):
+        given = iter(present)
+        return call(*[as_varying(jnp.zeros(*sd), axes) if sd else next(given)
+                      for sd in shapes], **attrs)
+
+    return jax.jit(with_empties)
 
 
 def check(cond: bool, target: str, operand: str, message: str) -> None:

@@ -55,7 +55,8 @@ flags.DEFINE_enum("variant", "linen", ["linen", "nnx"], "Flax API of the model."
 flags.DEFINE_enum("transport", "lax", list(TRANSPORTS), "How buffers cross ranks.")
 flags.DEFINE_enum("matmul", "xla", ["xla", "row_invariant", "auto", "cutlass"],
                   "Router and expert matmuls (MoEConfig.matmul): row_invariant makes every "
-                  "strategy's loss curve bitwise dense's.")
+                  "strategy's layer output bitwise dense's; the loss curves still differ in "
+                  "the last bits (weight-gradient sums over ranks, docs/training.md).")
 flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"], "Devices to train on.")
 flags.DEFINE_integer("ep", None, "Expert-parallel ranks (default: all devices / "
                      "--data_parallel).")

@@ -70,6 +70,19 @@ WORKLOADS = {
 }
 
 
+def add_gpu_costs_flag(p):
+    """--gpu_costs: where the layer costs come from (see layer_costs)."""
+    p.add_argument("--gpu_costs", default=None,
+                   help="a benchmarks/async_ep_costs_gpu.py record: every kind's cost from it "
+                        "(default: the expert record and the modelled attention / sampler)")
+
+
+def layer_costs(args) -> ProductionCosts:
+    """The cost envelopes: every kind from --gpu_costs when given, else the
+    expert-FFN record and the modelled attention and sampler."""
+    return ProductionCosts(RECORD, gpu_costs=args.gpu_costs)
+
+
 def engines_for(group: str, args):
     out = _engines_for(group, args)
     if args.engines:
@@ -281,9 +294,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--itl_tolerance", type=float, default=0.01,
                    help="an engine's point matches the sync ITL when within this fraction above")
-    p.add_argument("--gpu_costs", default=None,
-                   help="a benchmarks/async_ep_costs_gpu.py record: every kind's cost from it "
-                        "(default: the expert record and the modelled attention / sampler)")
+    add_gpu_costs_flag(p)
     p.add_argument("--wave_groups", type=int, nargs="*", default=[2, 3],
                    help="an async-hold-<G>w engine for each G: the hold scheduler with each rank's "
                         "slots in G wave groups that never share an execution")
@@ -300,7 +311,7 @@ def main(argv=None):
                    help="only these engines (names as in the table; sync is always needed)")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
-    costs = ProductionCosts(RECORD, gpu_costs=args.gpu_costs)
+    costs = layer_costs(args)
     trace = rs.TraceModel(w["experts"], w["blocks"], w["top_k"], w["skew"], w["mode"],
                           seed=args.seed)
     start = time.perf_counter()

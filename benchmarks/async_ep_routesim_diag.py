@@ -30,11 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.async_ep_routesim_bench import RECORD, WORKLOADS, write_record  # noqa: E402
+from benchmarks.async_ep_routesim_bench import (WORKLOADS, add_gpu_costs_flag,  # noqa: E402
+                                               layer_costs, write_record)
 from benchmarks.provenance import commit, portable_command, source_digest  # noqa: E402
 from moe_jax.async_ep import routesim as rs  # noqa: E402
 from moe_jax.async_ep import tokens as tk  # noqa: E402
-from moe_jax.async_ep.costs import ProductionCosts  # noqa: E402
 from moe_jax.async_ep.schedulers import HoldScheduler  # noqa: E402
 
 
@@ -124,12 +124,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--suffix", default="", help="appended to the record's file name")
-    p.add_argument("--gpu_costs", default=None,
-                   help="a benchmarks/async_ep_costs_gpu.py record: every kind's cost from it "
-                        "(default: the expert record and the modelled attention / sampler)")
+    add_gpu_costs_flag(p)
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
-    costs = ProductionCosts(RECORD, gpu_costs=args.gpu_costs)
+    costs = layer_costs(args)
     trace = rs.TraceModel(w["experts"], w["blocks"], w["top_k"], w["skew"], w["mode"],
                           seed=args.seed)
     slots, G = args.slots, args.wave_groups

@@ -3,6 +3,7 @@ layer on one GPU, against every baseline the machine has, in one run.
 
     python -m benchmarks.expert_ffn_bench --out=OUT_DIR [--rows=32,512,2048,8192]
         [--layer_tokens=256,1024,4096] [--train_tokens=4096]
+        [--decode_groups=1,2,4,8 --decode_rows=16,64,256]
 
 Part 1, the expert FFN (rows sorted by expert, group sizes drawn with an
 exponential skew, shares ~ exp(-skew * e / E)): moe_jax's CUTLASS grouped
@@ -17,6 +18,11 @@ Part 2, the whole `moe_layer` (strategy "dense": one GPU, router, dispatch,
 experts, combine) with matmul="auto" (the CUTLASS kernels) and "xla", and a
 padded batched einsum at the realized largest expert load, against the bf16
 FLOP floor. Part 3: one training step (forward + backward) of the layer.
+Part 4, one rank's experts at decode sizes: G local experts (the experts of
+one rank at EP size E / G) over a few rows split evenly, with matmul="auto"
+(which runs a batched dense matmul where the grouped kernel has too few
+tiles), "cutlass" and `torch._grouped_mm`, against the time to stream the G
+experts' weights at the measured copy bandwidth.
 
 Times are medians over --reps runs of --iters back-to-back calls, timed on
 the host up to the end of the last call (JAX and PyTorch alike). Writes
@@ -62,6 +68,9 @@ flags.DEFINE_integer("experts", 8, "Experts E.")
 flags.DEFINE_integer("top_k", 2, "Experts per token (layer cases).")
 flags.DEFINE_float("skew", 1.0, "Exponential skew of the FFN cases' group sizes.")
 flags.DEFINE_list("methods", ["cutlass", "xla", "pallas", "torch"], "FFN methods to time.")
+flags.DEFINE_list("decode_groups", ["1", "2", "4", "8"],
+                  "Local expert counts G of the decode cases (empty: skip them).")
+flags.DEFINE_list("decode_rows", ["16", "64", "256"], "Row counts of the decode cases.")
 flags.DEFINE_integer("iters", 10, "Calls per timed run.")
 flags.DEFINE_integer("reps", 7, "Timed runs per case (the median is reported).")
 flags.DEFINE_string("out", None, "Folder for the JSON and markdown (required).")
@@ -125,7 +134,7 @@ def _ffn_jax(method):
     import moe_jax as mj
     from moe_jax.ops.grouped_matmul import split_gate_up
 
-    if method in ("cutlass", "xla"):
+    if method in ("auto", "cutlass", "xla"):
         return jax.jit(lambda x, gs, w_gate_up, w_down: mj.swiglu_grouped(
             x, gs, mj.ExpertWeights(w_gate_up, w_down), jnp.bfloat16, matmul=method))
     dot = _pallas_ragged_dot()
@@ -219,6 +228,53 @@ def bench_ffn(floors: dict) -> list[dict]:
                       if k.endswith(("_us", "_tflops", "_of_dense_rate", "_of_copy_bw",
                                      "_error"))}, flush=True)
     return sorted(rows_out, key=lambda r: r["rows"])
+
+
+def bench_decode(floors: dict) -> list[dict]:
+    """One rank's G experts over a few rows (Part 4)."""
+    import moe_jax as mj
+
+    h, f = FLAGS.hidden, FLAGS.ffn
+    out = []
+    for groups in (int(g) for g in FLAGS.decode_groups):
+        weights = mj.init_expert_weights(jax.random.key(6), groups, h, f, jnp.bfloat16)
+        weight_bytes = groups * 3 * h * f * 2
+        for rows in (int(r) for r in FLAGS.decode_rows):
+            sizes = np.full(groups, rows // groups, np.int32)
+            sizes[: rows % groups] += 1
+            rng = np.random.default_rng(100 * groups + rows)
+            x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+            gs = jnp.asarray(sizes)
+            row = dict(groups=groups, rows=rows, group_sizes=sizes.tolist(),
+                       weight_bytes=weight_bytes,
+                       weight_floor_us=weight_bytes / (floors["copy_gbps"] * 1e9) * 1e6)
+            results = {}
+            for method in ("auto", "cutlass", "torch"):
+                try:
+                    if method == "torch":
+                        got = _ffn_torch(x, *weights, sizes)
+                        if got is None:
+                            row["torch_error"] = "PyTorch not installed"
+                            continue
+                        run, result = got
+                        row["torch_us"] = _time_torch(run) * 1e6
+                        results[method] = result()
+                        continue
+                    fn = _ffn_jax(method)
+                    row[f"{method}_us"] = _time_jax(fn, x, gs, *weights) * 1e6
+                    results[method] = np.asarray(fn(x, gs, *weights), np.float32)
+                except Exception as err:  # noqa: BLE001 (record why a method could not run)
+                    row[f"{method}_error"] = f"{type(err).__name__}: {err}"[:300]
+            for method in ("auto", "torch"):
+                if method in results and "cutlass" in results:
+                    row[f"{method}_rel_diff_to_cutlass"] = _rel(results[method],
+                                                                results["cutlass"])
+            row["auto_over_floor"] = row["auto_us"] / row["weight_floor_us"]
+            out.append(row)
+            print("decode", {k: (round(v, 3) if isinstance(v, float) else v)
+                             for k, v in row.items() if k != "group_sizes"}, flush=True)
+        del weights
+    return out
 
 
 def _ffn_inputs(rows: int):
@@ -367,7 +423,7 @@ def _versions() -> dict:
 
 
 def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
-             train: dict | None) -> str:
+             train: dict | None, decode: list[dict] | None = None) -> str:
     us = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
     tf = lambda r, k: f"{r[k]:.0f}" if k in r else "—"  # noqa: E731
     lines = [f"# Expert FFN and MoE layer, {meta['device']}", "",
@@ -412,6 +468,18 @@ def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
                       f"| {train['tokens']} | {train['forward_us']:.0f} | "
                       f"{train['forward_backward_us']:.0f} | "
                       f"{train['forward_backward_flop_floor_us']:.0f} |"]
+    if decode:
+        lines += ["", "## One rank's experts at decode sizes, microseconds", "",
+                  "G local experts (one rank's at EP size E / G), rows split evenly; "
+                  "weight floor: the G experts' weights streamed at the measured copy "
+                  "bandwidth (read only).", "",
+                  "| G | rows | matmul=auto | matmul=cutlass | torch._grouped_mm "
+                  "| weight floor | auto / floor |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in decode:
+            lines.append(f"| {r['groups']} | {r['rows']} | {us(r, 'auto_us')} | "
+                         f"{us(r, 'cutlass_us')} | {us(r, 'torch_us')} | "
+                         f"{r['weight_floor_us']:.0f} | {r['auto_over_floor']:.2f}x |")
     del tf
     return "\n".join(lines) + "\n"
 
@@ -432,7 +500,7 @@ def main(argv):
                 experts=FLAGS.experts, skew=FLAGS.skew, reps=FLAGS.reps, iters=FLAGS.iters)
     tag = FLAGS.tag or "expert_ffn_" + device.device_kind.replace(" ", "_")
     os.makedirs(FLAGS.out, exist_ok=True)
-    results = dict(meta=meta, floors=_floors(), ffn=[], layer=[], train=None)
+    results = dict(meta=meta, floors=_floors(), ffn=[], layer=[], train=None, decode=[])
     print("floors", results["floors"], flush=True)
 
     def write():  # after every part, so a run cut short keeps what it measured
@@ -446,6 +514,8 @@ def main(argv):
     results["layer"] = bench_layer(results["floors"])
     write()
     results["train"] = bench_train(results["floors"])
+    write()
+    results["decode"] = bench_decode(results["floors"])
     write()
     print(f"wrote {FLAGS.out}/{tag}.json and .md")
 

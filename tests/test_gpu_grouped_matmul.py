@@ -175,21 +175,25 @@ def test_gradients_match_xla(fused):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("rows, size", [(1, 1), (96, 60), (512, 512), (300, -3), (513, 400)])
-def test_auto_runs_one_small_group_as_a_dense_matmul(rows, size, fused):
-    """impl="auto" with G = 1 and M <= SINGLE_GROUP_DENSE_ROWS: cuBLAS, not the
-    grouped kernel; the same values (to rounding), a zero tail, and the
-    gradients of XLA's path. Above the bound the grouped kernel runs."""
-    rng = np.random.default_rng(rows + 7 * fused)
+@pytest.mark.parametrize("rows, sizes", [
+    (1, [1]), (96, [60]), (512, [512]), (300, [-3]), (513, [400]),
+    (64, [20, 0, 30]), (256, [100, 156]), (257, [100, 100]), (128, [0, 9, 50, 3, 0, 0, 7, 1])])
+def test_auto_runs_few_tiles_as_a_dense_matmul(rows, sizes, fused):
+    """impl="auto" where the grouped kernel would have fewer tiles than SMs
+    and the rows are few (gmm.dense_instead): one batched cuBLAS matmul, not
+    the grouped kernel; the same values (to rounding), a zero tail, and the
+    gradients of XLA's path. Past the bounds the grouped kernel runs."""
+    rng = np.random.default_rng(rows + 7 * fused + len(sizes))
     k, n = 256, 384
-    x, w, gs = _case(rng, [size], rows, k, n, jnp.bfloat16)
+    x, w, gs = _case(rng, sizes, rows, k, n, jnp.bfloat16)
     op = gmm.swiglu if fused else gmm.grouped_matmul
     fn = jax.jit(lambda x, w, s: op(x, w, s, impl="auto"))
     hlo = fn.lower(x, w, gs).as_text()
-    dense = rows <= gmm.SINGLE_GROUP_DENSE_ROWS
+    dense = gmm.dense_instead(len(sizes), rows, n)
+    assert dense == (rows <= (512 if len(sizes) == 1 else 256) and len(sizes) * rows <= 1024)
     assert (gmm.GROUPED_MATMUL in hlo) == (not dense)
     got = np.asarray(fn(x, w, gs), np.float64)
-    covered = min(max(size, 0), rows)
+    covered = min(sum(max(s, 0) for s in sizes), rows)
     assert not bits(np.asarray(fn(x, w, gs))[covered:]).any()
     h = _reference(x, w, gs)
     if fused:
@@ -210,8 +214,8 @@ def test_auto_runs_one_small_group_as_a_dense_matmul(rows, size, fused):
 
 
 def test_moe_layer_strategies_are_bitwise_equal_on_one_gpu():
-    """matmul="auto" runs the CUTLASS kernels; every strategy (P = 1) gives
-    dense's bits, and the output is close to the float32 reference."""
+    """matmul="row_invariant" runs the CUTLASS kernels; every strategy (P = 1)
+    gives dense's bits, and the output is close to the float32 reference."""
     config = mj.MoEConfig(hidden_size=256, ffn_size=512, num_experts=8, top_k=2,
                           strategy="dense", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                           matmul="row_invariant")

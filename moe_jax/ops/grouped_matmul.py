@@ -20,11 +20,16 @@ Implementations (`impl`):
   "xla": `jax.lax.ragged_dot` (on GPU, jaxlib 0.11.2 lowers it to a dense
     matmul over every group; not row-invariant).
   "auto": "cutlass" where it applies (GPU platform with a Hopper GPU,
-    bfloat16/float16, K and N multiples of 8), else "xla"; except one
-    group (G = 1) of at most SINGLE_GROUP_DENSE_ROWS rows (M, static), which
-    runs as one dense XLA matmul (cuBLAS) with float32 results and the rows
-    past the group zeroed: the grouped kernel gives a lone small group too
-    few tiles to stream its weights at full bandwidth (docs/design/custom_calls.md).
+    bfloat16/float16, K and N multiples of 8), else "xla"; except where the
+    grouped kernel would have fewer tiles than the GPU has SMs (G groups of
+    N / 256 column tiles) and the rows are few (`dense_instead`: M <=
+    SINGLE_GROUP_DENSE_ROWS for one group, M <= FEW_GROUPS_DENSE_ROWS and
+    G * M <= FEW_GROUPS_DENSE_WORK for several; M is static): then every
+    row is multiplied by every group's weights in one batched XLA matmul
+    (cuBLAS) and each row keeps its own group's float32 result, the rows
+    past the groups zeroed. The kernel cannot stream the weights at full
+    bandwidth over so few tiles, while the dense matmul at these M reads
+    the weights once and costs no more (docs/design/custom_calls.md).
 
 Every implementation is differentiable (custom VJPs: the input gradient is
 the grouped matmul with transposed weights, the weight gradient a per-group
@@ -48,6 +53,10 @@ GROUPED_MATMUL = "moe_jax_grouped_matmul"
 IMPLS = ("auto", "cutlass", "row_invariant", "xla")
 CUTLASS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SINGLE_GROUP_DENSE_ROWS = 512
+FEW_GROUPS_DENSE_ROWS = 256
+FEW_GROUPS_DENSE_WORK = 1024
+CUTLASS_TILE_N = 256
+_DEFAULT_SM_COUNT = 132
 _GATE_UP_BLOCK = 8
 
 
@@ -124,17 +133,46 @@ def _resolve(impl: str, dtype, k: int, n: int, platform: str | None) -> str:
     return impl
 
 
-def _single_group_dense(impl: str, which: str, x, w) -> bool:
-    """impl="auto" on the CUTLASS path with one small group: a dense matmul."""
-    return (impl == "auto" and which == "cutlass" and w.shape[0] == 1
-            and x.shape[0] <= SINGLE_GROUP_DENSE_ROWS)
+def gpu_sm_count() -> int:
+    """Streaming multiprocessors of the first GPU (132 if it cannot be read)."""
+    try:
+        count = getattr(jax.devices("gpu")[0], "core_count", None)
+    except RuntimeError:
+        count = None
+    return int(count) if count else _DEFAULT_SM_COUNT
 
 
-def _dense_one_group(x, w, group_sizes):
-    """[M, N] float32 x @ w[0] with the rows past group_sizes[0] zero."""
-    out = jnp.dot(x, w[0], preferred_element_type=jnp.float32)
-    keep = jnp.arange(x.shape[0]) < group_sizes[0]
-    return jnp.where(keep[:, None], out, 0.0)
+def dense_instead(num_groups: int, rows: int, n: int, sm_count: int | None = None) -> bool:
+    """Whether impl="auto", where it would run the CUTLASS kernel on
+    [rows, K] x [num_groups, K, n], runs the batched dense matmul instead:
+    the kernel would have fewer tiles than the GPU has SMs and the dense
+    matmul's extra rows (every row times every group) stay cheap."""
+    if num_groups < 1 or num_groups * -(-n // CUTLASS_TILE_N) >= (sm_count or gpu_sm_count()):
+        return False
+    if num_groups == 1:
+        return rows <= SINGLE_GROUP_DENSE_ROWS
+    return rows <= FEW_GROUPS_DENSE_ROWS and num_groups * rows <= FEW_GROUPS_DENSE_WORK
+
+
+def _runs_dense(impl: str, which: str, x, w) -> bool:
+    return (impl == "auto" and which == "cutlass"
+            and dense_instead(w.shape[0], x.shape[0], w.shape[2]))
+
+
+def _dense_groups(x, w, group_sizes):
+    """[M, N] float32: row i = x[i] @ w[g(i)], the rows past the groups zero.
+
+    Every row is multiplied by every group's weights (one batched matmul),
+    then each keeps its group's result."""
+    num_groups, rows = w.shape[0], x.shape[0]
+    every = jax.lax.dot_general(jnp.broadcast_to(x, (num_groups,) + x.shape), w,
+                                (((2,), (1,)), ((0,), (0,))),
+                                preferred_element_type=jnp.float32)
+    ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+    group = jnp.sum(jnp.arange(rows)[:, None] >= ends[None, :], axis=1)
+    own = jnp.take_along_axis(every, jnp.minimum(group, num_groups - 1)[None, :, None],
+                              axis=0)[0]
+    return jnp.where((group < num_groups)[:, None], own, 0.0)
 
 
 def _check_operands(x, w, group_sizes):
@@ -171,8 +209,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     group_sizes = _check_operands(x, w, group_sizes)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     which = _resolve(impl, x.dtype, x.shape[1], w.shape[2], platform)
-    if _single_group_dense(impl, which, x, w):
-        return _dense_one_group(x, w, group_sizes).astype(out_dtype)
+    if _runs_dense(impl, which, x, w):
+        return _dense_groups(x, w, group_sizes).astype(out_dtype)
     if which == "cutlass":
         check(out_dtype in (jnp.dtype(jnp.float32), jnp.dtype(x.dtype)), GROUPED_MATMUL,
                "out_dtype", f"must be float32 or x's dtype for impl='cutlass', got {out_dtype}")
@@ -201,8 +239,8 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
     check(two_f % 2 == 0, GROUPED_MATMUL, "w_gate_up",
            f"must have an even last dimension 2F, got {list(w_gate_up.shape)}")
     which = _resolve(impl, x.dtype, x.shape[1], two_f, platform)
-    if _single_group_dense(impl, which, x, w_gate_up):
-        gate, up = split_gate_up(_dense_one_group(x, w_gate_up, group_sizes))
+    if _runs_dense(impl, which, x, w_gate_up):
+        gate, up = split_gate_up(_dense_groups(x, w_gate_up, group_sizes))
         return (jax.nn.silu(gate) * up).astype(x.dtype)
     if which == "cutlass" and gate_up_block(two_f // 2) == _GATE_UP_BLOCK:
         return _cutlass_swiglu(x, w_gate_up, group_sizes)

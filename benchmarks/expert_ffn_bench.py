@@ -269,7 +269,8 @@ def bench_decode(floors: dict) -> list[dict]:
                 if method in results and "cutlass" in results:
                     row[f"{method}_rel_diff_to_cutlass"] = _rel(results[method],
                                                                 results["cutlass"])
-            row["auto_over_floor"] = row["auto_us"] / row["weight_floor_us"]
+            if "auto_us" in row:
+                row["auto_over_floor"] = row["auto_us"] / row["weight_floor_us"]
             out.append(row)
             print("decode", {k: (round(v, 3) if isinstance(v, float) else v)
                              for k, v in row.items() if k != "group_sizes"}, flush=True)
@@ -435,28 +436,30 @@ def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
              f"bf16; median of {meta['reps']} runs of {meta['iters']} back-to-back calls, "
              "host-timed to the end of the last (JAX and PyTorch alike)",
              f"- measured floors: dense bf16 matmul {floors['dense_tflops']:.0f} TFLOP/s, "
-             f"device copy {floors['copy_gbps']:.0f} GB/s (read + write)", "",
-             "## SwiGLU expert FFN (gate/up, silu * up, down), microseconds (TFLOP/s)", "",
-             f"Group sizes skewed: shares ~ exp(-{meta['skew']} e / E).", "",
-             "| rows | group sizes | moe_jax CUTLASS | lax.ragged_dot | Pallas ragged_dot_mgpu "
-             "| torch._grouped_mm | CUTLASS / dense rate | weights streamed (GB/s, of copy bw) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in ffn:
-        cell = lambda m: (f"{r[m + '_us']:.0f} ({r[m + '_tflops']:.0f})"  # noqa: E731
-                          if m + "_us" in r else "—")
-        stream = (f"{r['cutlass_weight_gbps']:.0f} ({r['cutlass_of_copy_bw']:.0%})"
-                  if "cutlass_weight_gbps" in r else "—")
-        rate = f"{r['cutlass_of_dense_rate']:.0%}" if "cutlass_of_dense_rate" in r else "—"
-        lines.append(f"| {r['rows']} | {r['group_sizes']} | {cell('cutlass')} | {cell('xla')} | "
-                     f"{cell('pallas')} | {cell('torch')} | {rate} | {stream} |")
-    lines += ["", "## Whole moe_layer on one GPU (strategy dense), microseconds", "",
-              "| tokens | matmul=auto (CUTLASS) | matmul=xla | padded einsum at the largest "
-              "expert load | bf16 FLOP floor | auto / floor |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for r in layer:
-        lines.append(f"| {r['tokens']} | {us(r, 'layer_auto_us')} | {us(r, 'layer_xla_us')} | "
-                     f"{us(r, 'padded_einsum_us')} ({r['max_expert_rows']} rows) | "
-                     f"{r['flop_floor_us']:.0f} | {r['auto_over_floor']:.2f}x |")
+             f"device copy {floors['copy_gbps']:.0f} GB/s (read + write)"]
+    if ffn:
+        lines += ["", "## SwiGLU expert FFN (gate/up, silu * up, down), microseconds (TFLOP/s)", "",
+                  f"Group sizes skewed: shares ~ exp(-{meta['skew']} e / E).", "",
+                  "| rows | group sizes | moe_jax CUTLASS | lax.ragged_dot | Pallas ragged_dot_mgpu "
+                  "| torch._grouped_mm | CUTLASS / dense rate | weights streamed (GB/s, of copy bw) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in ffn:
+            cell = lambda m: (f"{r[m + '_us']:.0f} ({r[m + '_tflops']:.0f})"  # noqa: E731
+                              if m + "_us" in r else "—")
+            stream = (f"{r['cutlass_weight_gbps']:.0f} ({r['cutlass_of_copy_bw']:.0%})"
+                      if "cutlass_weight_gbps" in r else "—")
+            rate = f"{r['cutlass_of_dense_rate']:.0%}" if "cutlass_of_dense_rate" in r else "—"
+            lines.append(f"| {r['rows']} | {r['group_sizes']} | {cell('cutlass')} | {cell('xla')} | "
+                         f"{cell('pallas')} | {cell('torch')} | {rate} | {stream} |")
+    if layer:
+        lines += ["", "## Whole moe_layer on one GPU (strategy dense), microseconds", "",
+                  "| tokens | matmul=auto (CUTLASS) | matmul=xla | padded einsum at the largest "
+                  "expert load | bf16 FLOP floor | auto / floor |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in layer:
+            lines.append(f"| {r['tokens']} | {us(r, 'layer_auto_us')} | {us(r, 'layer_xla_us')} | "
+                         f"{us(r, 'padded_einsum_us')} ({r['max_expert_rows']} rows) | "
+                         f"{r['flop_floor_us']:.0f} | {r['auto_over_floor']:.2f}x |")
     if train:
         lines += ["", "## Training step of the layer (loss, value_and_grad), microseconds", ""]
         if "error" in train:
@@ -477,9 +480,10 @@ def markdown(meta: dict, floors: dict, ffn: list[dict], layer: list[dict],
                   "| weight floor | auto / floor |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in decode:
+            ratio = f"{r['auto_over_floor']:.2f}x" if "auto_over_floor" in r else "—"
             lines.append(f"| {r['groups']} | {r['rows']} | {us(r, 'auto_us')} | "
                          f"{us(r, 'cutlass_us')} | {us(r, 'torch_us')} | "
-                         f"{r['weight_floor_us']:.0f} | {r['auto_over_floor']:.2f}x |")
+                         f"{r['weight_floor_us']:.0f} | {ratio} |")
     del tf
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moe_jax.config import MoEConfig
 from moe_jax.dispatch import Delivered, DispatchContext, DispatchStats, dispatch_combine
 from moe_jax.experts import ExpertWeights, init_expert_weights, swiglu_grouped
+from moe_jax.ordered_grads import replicate_for_ranks
 from moe_jax.plan import kept_picks
 from moe_jax.replicated import (balanced_slot_ids, check_placement, dense_slot_ids, slot_ids,
                                 tie_copies)
@@ -127,9 +128,18 @@ def _unflatten(out: jax.Array, like: jax.Array, mesh=None, token_spec: P = P(),
     return jax.lax.reshape(out, like.shape, out_sharding=NamedSharding(mesh, spec))
 
 
-def _expert_fn(experts: ExpertWeights, config: MoEConfig, platform: str):
-    return lambda rows, group_sizes: swiglu_grouped(rows, group_sizes, experts, config.dtype,
-                                                    config.matmul, platform)
+class _Experts:
+    """The layer's expert function (moe_jax.dispatch.passes.ExpertFn). With
+    the row-invariant matmul it takes the rows' sources, so that its weight
+    gradients are summed per (expert, source) in source order."""
+
+    def __init__(self, experts: ExpertWeights, config: MoEConfig, platform: str):
+        self.experts, self.config, self.platform = experts, config, platform
+        self.takes_sources = config.matmul == "row_invariant"
+
+    def __call__(self, rows, group_sizes, sources=None):
+        return swiglu_grouped(rows, group_sizes, self.experts, self.config.dtype,
+                              self.config.matmul, self.platform, sources=sources)
 
 
 def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
@@ -157,10 +167,10 @@ def _route_and_dispatch(params: MoEParams, tokens: jax.Array, config: MoEConfig,
             ids = slot_ids(ids, placement, rank, rank * tokens.shape[0])
     result = dispatch_combine(
         tokens.astype(config.dtype), ids, routing.weights,
-        _expert_fn(experts, config, ctx.platform), strategy=config.strategy, ctx=ctx,
+        _Experts(experts, config, ctx.platform), strategy=config.strategy, ctx=ctx,
         experts_per_rank=experts.num_experts, capacity=config.capacity,
         spill_capacity=config.spill_capacity, return_delivered=return_delivered)
-    psum = ctx.psum_tokens if ctx.axis_name is not None else None
+    psum = ctx.psum_tokens if ctx.token_axes else None
     stats = result.stats
     if ctx.data_axes:  # each group's counters (equal on its ranks), counted once
         first = ctx.rank() == 0
@@ -229,6 +239,9 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
             mesh.shape.get(config.expert_axis) if mesh is not None else None)
         check_placement(placement, config.num_experts, ranks, params.experts.num_experts,
                         "moe_layer")
+    if config.strategy == "dense" and placement is None and mesh is not None \
+            and config.expert_axis in mesh.axis_names:
+        return _dense_data_parallel(params, x, config, mesh, return_delivered)
     if config.strategy == "dense":
         tokens = _flatten(x, mesh, P())
         ctx = DispatchContext(None, 1, _transport(config, None), config.kernel_impl,
@@ -282,3 +295,53 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
     out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, token_spec, placement_spec),
                              out_specs=(token_spec, aux_spec))(params, tokens, placement)
     return _unflatten(out, x, mesh, token_spec, num_ranks * data_ranks), aux
+
+
+def _token_axes(config: MoEConfig, mesh) -> tuple[tuple[str, ...], P, int]:
+    """(axes the tokens are split over, their spec, how many ranks)."""
+    missing = [a for a in config.data_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"moe_layer: argument 'mesh' lacks the data axes {missing} of "
+                         f"MoEConfig.data_axes={config.data_axes}; its axes are "
+                         f"{mesh.axis_names}")
+    axes = (*config.data_axes, config.expert_axis)
+    spec = P(axes) if config.data_axes else P(config.expert_axis)
+    return axes, spec, math.prod(mesh.shape[a] for a in axes)
+
+
+def _dense_data_parallel(params: MoEParams, x: jax.Array, config: MoEConfig, mesh,
+                         return_delivered: bool):
+    """"dense" over a mesh: the tokens split over the expert (and data) axes
+    as for the other strategies, every rank running every expert on its own
+    tokens. The router's and experts' weight gradients are summed over the
+    ranks; with the row-invariant matmul the experts' as per-rank float32
+    partials added in rank order (ordered_grads), which is how the
+    expert-parallel strategies add theirs, so they have the same bits."""
+    axes, token_spec, ranks = _token_axes(config, mesh)
+    tokens = _flatten(x, mesh, token_spec)
+    if tokens.shape[0] % ranks:
+        raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
+                         f"split evenly over the {ranks} ranks of mesh axes {axes}")
+    ctx = DispatchContext(None, 1, _transport(config, None), config.kernel_impl,
+                          _platform(mesh), data_axes=axes, data_ranks=ranks)
+    experts = params.experts
+    if config.matmul == "row_invariant":
+        experts = ExpertWeights(*(replicate_for_ranks(w.astype(jnp.float32), ranks)
+                                  for w in experts))
+        expert_spec = ExpertWeights(token_spec, token_spec)
+    else:
+        expert_spec = ExpertWeights(P(), P())
+    param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
+    delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
+    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)),
+                      delivered_spec, P())
+
+    def body(p, t):
+        return _route_and_dispatch(p, t, config, ctx, return_delivered)
+
+    params = jax.tree.map(lambda spec, a: _place(a, mesh, spec), param_specs,
+                          MoEParams(params.router, params.router_bias, experts))
+    tokens = _place(tokens, mesh, token_spec)
+    out, aux = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, token_spec),
+                             out_specs=(token_spec, aux_spec))(params, tokens)
+    return _unflatten(out, x, mesh, token_spec, ranks), aux

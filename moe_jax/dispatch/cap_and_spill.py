@@ -15,6 +15,14 @@ output has `dense`'s bits at any top-k (adding the fallback's partial sum to
 pass 1's would round a token's sum in another order). The backward does the
 same for the tokens' gradient: both windows' packs send their row gradients
 to one tap (passes.tap_tokens), summed per token in pick order once.
+
+With expert functions whose weight gradients are summed per (expert,
+source) (`takes_sources`: the layer's experts with the row-invariant
+matmul), the fallback moves every stream position [0, worst) again instead
+of the rest alone, and the combine reads only that: each (expert, source)'s
+rows then reach its experts in one call, so their weight-gradient partial
+is one sum over them, as on every other strategy (the first exchange's
+outputs, unread, add exact zeros).
 """
 
 from __future__ import annotations
@@ -55,8 +63,15 @@ def cap_and_spill(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_exp
     # records a command at most once); the rare fallback uses XLA's own.
     fallback_ctx = ctx if ctx.platform == "cpu" else dataclasses.replace(ctx, transport="lax")
 
+    whole_streams = getattr(expert_fn, "takes_sources", False)
+
     def fallback(_):
         ctx.restore_chain(chain)
+        if whole_streams:
+            every, every_delivered = exchange_window(
+                x, plan, recv_expert_counts, fallback_ctx, expert_fn, start=0, capacity=worst,
+                delivered_rows=delivered_rows, tap=tap)
+            return combine_windows(every, None, weights, plan, ctx, start=0), every_delivered
         more, more_delivered = exchange_window(
             x, plan, recv_expert_counts, fallback_ctx, expert_fn, start=cap + spill,
             capacity=residual, delivered_rows=delivered_rows, tap=tap)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from moe_jax import manual_axes
 from moe_jax.dispatch.context import DispatchContext
+from moe_jax.ordered_grads import SourceSizes
 from moe_jax.plan import DispatchPlan, exclusive_cumsum
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -23,7 +24,20 @@ ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
 Rows past sum(group_sizes) are padding and may hold any bits (a transport's
 receive buffer, NaN included): an expert function gives them zero outputs
 and lets them touch neither the real rows' outputs nor any gradient (the
-grouped matmuls of moe_jax.ops.grouped_matmul never read them)."""
+grouped matmuls of moe_jax.ops.grouped_matmul never read them).
+
+An expert function whose attribute `takes_sources` is true is also given
+`sources=` a moe_jax.ordered_grads.SourceSizes: the rows of each local
+expert per source rank (the layer's experts use it for weight gradients
+summed in source order)."""
+
+
+def call_experts(expert_fn: ExpertFn, rows: jax.Array, group_sizes: jax.Array,
+                 sources: SourceSizes | None) -> jax.Array:
+    """expert_fn on rows, given the sources where it takes them."""
+    if sources is not None and getattr(expert_fn, "takes_sources", False):
+        return expert_fn(rows, group_sizes, sources=sources)
+    return expert_fn(rows, group_sizes)
 
 
 class Delivered(NamedTuple):
@@ -91,7 +105,7 @@ def window_positions(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array
     num_local = recv_expert_counts.shape[1]
     ends = jnp.cumsum(recv_expert_counts, axis=1)
     lo = jnp.clip(ends - recv_expert_counts, start, start + width)
-    in_window = jnp.clip(ends, start, start + width) - lo
+    in_window = window_counts(recv_expert_counts, start=start, width=width)
     group_sizes = jnp.sum(in_window, axis=0).astype(jnp.int32)
     local = jnp.sum(q[:, None] >= ends[src], axis=1)
     safe = jnp.minimum(local, num_local - 1)
@@ -101,20 +115,29 @@ def window_positions(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array
     return jnp.where(local < num_local, pos, beyond).astype(jnp.int32), group_sizes
 
 
+def window_counts(recv_expert_counts: jax.Array, *, start: int, width: int) -> jax.Array:
+    """[P, E_local] int32: rows of each (source, local expert) among stream
+    positions [start, start + width) (streams are expert-major)."""
+    ends = jnp.cumsum(recv_expert_counts, axis=1)
+    lo = jnp.clip(ends - recv_expert_counts, start, start + width)
+    return (jnp.clip(ends, start, start + width) - lo).astype(jnp.int32)
+
+
 def run_experts(rows: jax.Array, pos: jax.Array, group_sizes: jax.Array, expert_fn: ExpertFn,
-                *, in_order: bool = False) -> jax.Array:
+                *, in_order: bool = False, sources: SourceSizes | None = None) -> jax.Array:
     """Applies each row's expert (window_positions gives pos and group_sizes).
 
     rows: [M, H] received rows; pos: [M] their expert-major positions (>= M
     for padding rows, whose outputs are zero). With in_order (one source: its
     window is already expert-major, pos is the identity on real rows and
-    padding comes last) the rows go to the experts as they are.
+    padding comes last) the rows go to the experts as they are. sources:
+    passed on to expert functions that take them (call_experts).
     """
     if in_order:
-        return expert_fn(rows, group_sizes)
+        return call_experts(expert_fn, rows, group_sizes, sources)
     ordered = jnp.zeros_like(rows).at[pos].set(rows, mode="drop", unique_indices=True)
-    return expert_fn(ordered, group_sizes).at[pos].get(mode="fill", fill_value=0,
-                                                       unique_indices=True)
+    return call_experts(expert_fn, ordered, group_sizes, sources).at[pos].get(
+        mode="fill", fill_value=0, unique_indices=True)
 
 
 def deliver(rows, canonical, recv_expert_counts, total_rows: int) -> Delivered:
@@ -270,8 +293,10 @@ def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Ar
     q = jnp.tile(start + jnp.arange(width, dtype=jnp.int32), num_ranks)
     pos, group_sizes = window_positions(src, q, recv_expert_counts, start=start, width=width)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
-    out_rows = run_experts(flat, pos, group_sizes, expert_fn,
-                           in_order=num_ranks == 1).reshape(rows.shape)
+    sources = SourceSizes(window_counts(recv_expert_counts, start=start, width=width).T,
+                          min(width, x.shape[0]))
+    out_rows = run_experts(flat, pos, group_sizes, expert_fn, in_order=num_ranks == 1,
+                           sources=sources).reshape(rows.shape)
     delivered = None
     if delivered_rows is not None:
         _, canonical = locate_rows(src, q, recv_expert_counts)

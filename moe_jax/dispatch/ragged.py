@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from moe_jax.dispatch.context import DispatchContext
 from moe_jax.dispatch.passes import deliver, locate_rows, run_experts, window_positions
 from moe_jax.dispatch.stats import stream_stats
+from moe_jax.ordered_grads import SourceSizes
 from moe_jax.plan import DROPPED_POS, exclusive_cumsum, worst_case_rows_per_peer
 
 
@@ -33,7 +34,9 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
                    0, num_ranks - 1).astype(jnp.int32)
     q = r - recv_offsets[src]
     pos, group_sizes = window_positions(src, q, recv_expert_counts, start=0, width=recv_rows)
-    out_rows = run_experts(rows, pos, group_sizes, expert_fn)
+    out_rows = run_experts(rows, pos, group_sizes, expert_fn,
+                           sources=SourceSizes(recv_expert_counts.T.astype(jnp.int32),
+                                               x.shape[0]))
     back, _ = ctx.grouped_all_to_all(out_rows, recv_counts, plan.send_counts, num_slots)
     stream_pos = jnp.where(plan.pos == DROPPED_POS, DROPPED_POS,
                            plan.send_offsets[plan.dest] + plan.pos)

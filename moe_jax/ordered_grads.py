@@ -1,0 +1,100 @@
+"""Weight gradients summed in one fixed order, whatever the parallelism.
+
+With `MoEConfig.matmul="row_invariant"` every strategy computes an expert's
+weight gradient the same way: one float32 partial per (expert, source rank)
+over that source's rows in stream order, then the partials added in
+source-rank order. The expert-parallel strategies receive every source's
+rows and form the partials there; `dense` over a mesh forms its own rank's
+partial and adds the ranks' partials in the same order
+(`replicate_for_ranks`). So the weight gradients, and with them training,
+have the same bits on every strategy and EP size.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import row_invariant
+
+
+class SourceSizes(NamedTuple):
+    """Which source rank each expert's rows came from.
+
+    sizes: [E_local, S] int32: rows of local expert e from source s; the
+      rows of a group are those of its sources in order (expert-major,
+      then source, then stream position).
+    max_rows: a static bound on any one (expert, source) count.
+    """
+
+    sizes: jax.Array
+    max_rows: int
+
+
+def ordered_sum(parts: jax.Array, axis: int) -> jax.Array:
+    """parts summed along `axis` left to right: ((p0 + p1) + p2) + ..."""
+    acc = jnp.take(parts, 0, axis=axis)
+    for i in range(1, parts.shape[axis]):
+        acc = acc + jnp.take(parts, i, axis=axis)
+    return acc
+
+
+def source_weight_grads(a: jax.Array, d: jax.Array, sources: SourceSizes,
+                        platform: str | None = None) -> jax.Array:
+    """[E, S, K, N] float32: a_(e,s)^T @ d_(e,s) over each (expert, source) group.
+
+    Args:
+      a: [M, K] rows (a matmul's input), sorted as SourceSizes describes.
+      d: [M, N] the matmul output's gradient rows, same order.
+      sources: the groups; rows past them are ignored.
+    Each partial sums its group's rows in increasing order (the
+    row-invariant matmul, its rows padded at the end with zeros, which add
+    nothing), so it depends on those rows alone: not on where the group
+    starts, on the other groups, or on M.
+    """
+    num_experts, num_sources = sources.sizes.shape
+    groups = num_experts * num_sources
+    rows = max(min(int(sources.max_rows), a.shape[0]), 1)
+    sizes = jnp.maximum(sources.sizes.reshape(-1), 0)
+    starts = jnp.cumsum(sizes) - sizes
+    index = starts[:, None] + jnp.arange(rows, dtype=sizes.dtype)[None, :]
+    valid = (jnp.arange(rows)[None, :] < sizes[:, None]) & (index < a.shape[0])
+    index = jnp.clip(index, 0, a.shape[0] - 1)
+
+    def gather(v):
+        picked = v.astype(jnp.float32)[index]
+        return jnp.where(valid[..., None], picked, 0.0)
+
+    a_t = jnp.swapaxes(gather(a), 1, 2).reshape(groups * a.shape[1], rows)
+    depth = jnp.full((groups,), a.shape[1], jnp.int32)
+    out = row_invariant.grouped_matmul(a_t, gather(d), depth, platform=platform)
+    return out.reshape(num_experts, num_sources, a.shape[1], d.shape[1])
+
+
+def replicate_for_ranks(w: jax.Array, ranks: int) -> jax.Array:
+    """[G, ...] -> [ranks * G, ...]: one copy per rank, to be split over the
+    ranks (each rank's copy its own, not a replicated value). The gradient
+    adds the ranks' copies' gradients in rank order (ordered_sum), where a
+    replicated value would get XLA's all-reduce, whose order is its own."""
+    return _replicate(w, ranks)
+
+
+def _replicate_primal(w, ranks):
+    return jnp.broadcast_to(w[None], (ranks,) + w.shape).reshape((ranks * w.shape[0],)
+                                                                  + w.shape[1:])
+
+
+_replicate = jax.custom_vjp(_replicate_primal, nondiff_argnums=(1,))
+
+
+def _replicate_fwd(w, ranks):
+    return _replicate_primal(w, ranks), None
+
+
+def _replicate_bwd(ranks, _, g):
+    return (ordered_sum(g.reshape((ranks, g.shape[0] // ranks) + g.shape[1:]), 0),)
+
+
+_replicate.defvjp(_replicate_fwd, _replicate_bwd)

@@ -114,7 +114,7 @@ def strategy_config(strategy: str, ep: int) -> DecoderConfig:
         capacity=capacity if strategy == "cap_and_spill" else None,
         spill_capacity=spill if strategy == "cap_and_spill" else None,
         load_balance_coef=FLAGS.load_balance_coef, router_z_coef=FLAGS.router_z_coef,
-        data_axes=("data",) if FLAGS.data_parallel > 1 and strategy != "dense" else ())
+        data_axes=("data",) if FLAGS.data_parallel > 1 else ())
 
 
 class Trainer:
@@ -127,7 +127,7 @@ class Trainer:
             self._step = train_linen.make_step(cfg, mesh, optimizer)
         else:
             self.model, self.opt = train_nnx.build(cfg, mesh, optimizer, params)
-            self._step = train_nnx.make_step(cfg)
+            self._step = train_nnx.make_step(cfg, mesh)
 
     def step(self, inputs, targets):
         if FLAGS.variant == "linen":
@@ -172,8 +172,7 @@ def train(strategy: str, mesh, ep: int, params, task: BigramTask):
     """Trains one strategy; returns (trainer, cross-entropy per step, stats,
     s/step, first step)."""
     cfg = strategy_config(strategy, ep)
-    trainer = Trainer(cfg, None if strategy == "dense" else mesh,
-                      optax.adam(FLAGS.learning_rate), params)
+    trainer = Trainer(cfg, mesh, optax.adam(FLAGS.learning_rate), params)
     start = 0
     if FLAGS.checkpoint_dir and os.path.isdir(
             os.path.join(FLAGS.checkpoint_dir, "train_state")):

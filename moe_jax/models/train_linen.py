@@ -56,13 +56,16 @@ def make_step(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None,
         cache = init_cache(cfg, inputs.shape[0])
         out, state = model.apply({"params": params}, inputs, positions, cache, index,
                                  kv_valid, mutable=["losses", "moe_stats"])
-        cross_entropy = lm_loss(out.logits, targets)
+        cross_entropy = lm_loss(out.logits, targets, mesh)
         aux = sum(jax.tree.leaves(state["losses"]), jnp.float32(0))
         return cross_entropy + aux, (cross_entropy, aux, linen_stats(state, cfg))
 
     def step(state: dict, inputs, targets):
         (loss, (ce, aux, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], inputs, targets)
+        # Not fused into the update: its arithmetic (contractions included)
+        # is then the same whatever program computed the gradients.
+        grads = jax.lax.optimization_barrier(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new = dict(params=params, opt_state=opt_state, step=state["step"] + 1)

@@ -30,14 +30,15 @@ def build(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None,
     return model, nnx.Optimizer(model, optimizer, wrt=nnx.Param)
 
 
-def make_step(cfg: DecoderConfig):
+def make_step(cfg: DecoderConfig, mesh: jax.sharding.Mesh | None = None):
     """An nnx.jit step(model, optimizer, inputs, targets) -> StepMetrics that
-    updates model and optimizer in place (inputs as in train_linen.make_step)."""
+    updates model and optimizer in place (inputs as in train_linen.make_step;
+    mesh: the model's, for the loss's reduction order, see lm_loss)."""
 
     def loss_fn(model: MixtralNnx, inputs, targets):
         positions, index, kv_valid = full_sequence_inputs(cfg, inputs)
         out = model(inputs, positions, init_cache(cfg, inputs.shape[0]), index, kv_valid)
-        cross_entropy = lm_loss(out.logits, targets)
+        cross_entropy = lm_loss(out.logits, targets, mesh)
         aux = sum((block.moe.aux_loss[...] for block in model.layers), jnp.float32(0))
         return cross_entropy + aux, (cross_entropy, aux, out.stats)
 
@@ -45,6 +46,7 @@ def make_step(cfg: DecoderConfig):
     def step(model: MixtralNnx, optimizer: nnx.Optimizer, inputs, targets):
         grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
         (loss, (ce, aux, stats)), grads = grad_fn(model, inputs, targets)
+        grads = jax.lax.optimization_barrier(grads)
         optimizer.update(model, grads)
         return StepMetrics(loss, ce, aux, stats)
 

@@ -53,10 +53,18 @@ class BigramTask(NamedTuple):
         return -(right * math.log(right) + (v - 1) * wrong * math.log(wrong))
 
 
-def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy: logits [B, S, V] float32, targets [B, S] int."""
+def lm_loss(logits: jax.Array, targets: jax.Array,
+            mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """Mean next-token cross-entropy: logits [B, S, V] float32, targets [B, S] int.
+
+    With a mesh the per-token terms are gathered before the mean, so its sum
+    runs in one order whatever layout the logits had (programs that differ
+    elsewhere, e.g. in their MoE strategy, report the same bits)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)
+    if mesh is not None:
+        picked = jax.lax.with_sharding_constraint(
+            picked, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return -jnp.mean(picked)
 
 

@@ -233,3 +233,42 @@ def test_redistribution_runs_over_two_phases(case):
     assert (np.diff(rows[:, pl.PHASE]) >= 0).all()
     assert (rows[1:, pl.FLOW_ROW] == (rows[:, pl.FLOW_ROW]
                                       + rows[:, pl.ROWS])[:-1]).all()
+
+
+@given(traffic_cases())
+def test_balancing_runs_early_by_the_split(case):
+  t, n, m = case
+  s = ref.fast_schedule(t, n, m)
+  plan = pl.execution_plan(t, n, m, s)
+  ops = plan.ops
+  sb = s.num_bvn_stages
+  srv = np.arange(n * m) // m
+  # Balancing ops: within a server, from the flow's source to a GPU that
+  # is not its destination.
+  bal = ops[(srv[ops[:, pl.SRC]] == srv[ops[:, pl.DST]])
+            & (ops[:, pl.SRC] == ops[:, pl.FLOW_SRC])
+            & (ops[:, pl.DST] != ops[:, pl.FLOW_DST])]
+  early = pl.balancing_early(s.real, n, m)
+  want = np.zeros(max(sb, 1), np.int64)
+  for k in range(sb):
+    for tr in ref._stage_of_kind(s, "scale_out", k).transfers:
+      if tr.src_gpu != tr.flow[0]:
+        first = early(tr.amount, k)
+        assert first == 0 or k >= 2
+        want[max(k - 1, 0)] += first
+        want[k] += tr.amount - first
+  got = np.bincount(bal[:, pl.PHASE], bal[:, pl.ROWS], max(sb, 1))
+  np.testing.assert_array_equal(got, want)
+
+
+def test_balancing_early_fills_the_previous_scale_out():
+  # 8 GPUs a server: stage k's balancing needs 7 x its size (in rows / 9),
+  # phase p hides 9 x the size of stage p - 1.  Sizes 1, 2, 10: stage 2
+  # needs 70, its phase hides 18, phase 1 the next 9 (stage 1 gets none).
+  early = pl.balancing_early(np.array([[1, 0], [2, 0], [10, 0]]), 2, 8)
+  assert early(70, 2) == 9
+  assert early(7, 2) == 0  # rounded down
+  # Sizes 4, 2, 10: phase 1 hides 36 of stage 2's remaining 52.
+  early = pl.balancing_early(np.array([[4, 0], [2, 0], [10, 0]]), 2, 8)
+  assert early(70, 2) == 36
+  assert early(70, 1) == 0 and early(70, 0) == 0

@@ -26,8 +26,10 @@ Phases (what may run concurrently; the FAST pipeline, NSDI '26 section 4.3),
 one NCCL group each: phase 0 holds the local copies ``T[g, g]`` and the
 balancing of BvN stage 0's units; phase ``k + 1`` the scale-out of stage
 ``k``, stage ``k``'s share of the intra-server part (``intra_cuts``), the
-redistribution of stage ``k - 1`` (k > 0), and the balancing of the units
-stage ``k + 1`` sends; phase ``S + 1`` the last redistribution.  Without scale-out the intra-server part
+redistribution of stage ``k - 1`` (k > 0), the balancing of the units
+stage ``k + 1`` sends (for k + 1 > 1 what ``balancing_early`` did not
+move a phase before) and the early part of stage ``k + 2``'s; phase
+``S + 1`` the last redistribution.  Without scale-out the intra-server part
 runs in phase 0.  Every op of a phase reads only rows that
 were in place when the phase began, and no two ops write the same row.
 
@@ -168,6 +170,50 @@ def redistribution_split(amount: int) -> int:
   return int(amount) * num // den
 
 
+# NIC : NVLink bandwidth per GPU the balancing split is sized for (the
+# paper's H200 testbed, 50 vs 450 GB/s).
+NIC_NVLINK = (1, 9)
+
+
+def balancing_early(real, num_servers: int, gpus_per_server: int):
+  """How much of each stage's balancing by use runs a phase early.
+
+  Returns ``early(amount, k)``: of a balancing use of ``amount`` rows for
+  BvN stage k, the first rows, which move in phase ``k - 1`` instead of
+  ``k`` (0 for k < 2).  A hot sender hands ``(M - 1) / M`` of its stage
+  share over NVLink while the stage's scale-out sends ``1 / M`` of it over
+  its NIC, so stage k's balancing needs up to ``(M - 1) x NIC / NVLink`` of
+  its size (largest real unit count over servers) on NVLink.  From the last
+  stage down, each stage's balancing fills what is left of its phase's
+  scale-out (the previous stage's size), then of the phase before; the
+  rest stays in its own phase.  Every GPU derives the same split from the
+  server-level schedule.
+  """
+  n, m = max(int(num_servers), 1), int(gpus_per_server)
+  real = np.asarray(real, np.int64).reshape(-1, n)
+  s = real.shape[0]
+  size = [int(x) for x in real.max(axis=1)] if s else []
+  nic, nvlink = NIC_NVLINK
+  # Phase p (1 <= p <= S) hides NVLink work of nvlink * size[p - 1] (in
+  # units of rows / nvlink).
+  room = [0] + [nvlink * x for x in size]
+  need = [nic * (m - 1) * x for x in size]
+  early = [0] * s
+  for k in range(s - 1, 0, -1):
+    own = min(room[k], need[k])
+    room[k] -= own
+    if k >= 2:
+      early[k] = min(room[k - 1], need[k] - own)
+      room[k - 1] -= early[k]
+
+  def cut(amount: int, k: int) -> int:
+    if k < 2 or early[k] == 0:
+      return 0
+    return int(amount) * early[k] // need[k]
+
+  return cut
+
+
 def stage_phase(kind: str, bvn_index: int, num_bvn_stages: int) -> int:
   """Phase of a schedule stage (see the module docstring); for the
   intra-server part, split over the stages (``intra_cuts``), the phase of
@@ -296,26 +342,44 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int,
         move(phase, tr.src_gpu, tr.dst_gpu,
              hold.take((tr.src_gpu, fs, fd), y, False, phase), fs, fd)
 
+  early = balancing_early(schedule.real, n, m)
+  late_ops = []
+
   def balance(k, phase):
     """Balancing by use: the units stage k's scale-out sends from a lane
     that is not the flow's source, from the front of their reserved
-    rows."""
+    rows, into workspace the lane reserves for the whole use; the first
+    ``early(amount, k)`` rows move in ``phase``, the rest (``late_ops``)
+    in ``k``."""
     for tr in ref._stage_of_kind(schedule, "scale_out", k).transfers:
       fs, fd = tr.flow
-      if tr.src_gpu == fs:
+      j = tr.src_gpu
+      if j == fs:
         continue
-      segs = reserved[(fs, tr.src_gpu, fs, fd)]
-      left, pieces = tr.amount, []
+      segs = reserved[(fs, j, fs, fd)]
+      head = early(tr.amount, k) if phase < k else tr.amount
+      left = tr.amount
       while left > 0:
         seg = segs[0]
         y = min(left, seg[1])
-        pieces.append((seg[0], y, X, int(so[fs, fd]) + seg[0]))
+        row = int(bump[j])
+        bump[j] += y
+        hold.add((j, fs, fd), seg[0], y, WS, row, k + 1)
+        now = min(max(head - (tr.amount - left), 0), y)
+        for at, rows, into in ((0, now, ops), (now, y - now, late_ops)):
+          if rows > 0:
+            into.append((phase if into is ops else k, fs, j, rows, X,
+                         int(so[fs, fd]) + seg[0] + at, WS, row + at, fs, fd,
+                         seg[0] + at))
         seg[0] += y
         seg[1] -= y
         left -= y
         if seg[1] == 0:
           segs.pop(0)
-      move(phase, fs, tr.src_gpu, pieces, fs, fd)
+
+  def balance_late():
+    ops.extend(late_ops)
+    late_ops.clear()
 
   intra = ref._stage_of_kind(schedule, "intra")
   cut = intra_cuts(schedule.real, n)
@@ -342,7 +406,11 @@ def execution_plan(traffic, num_servers: int, gpus_per_server: int,
         run(ref._stage_of_kind(schedule, "redistribute", k - 1), k + 1,
             "head")
       if k + 1 < s_bvn:
-        balance(k + 1, k + 1)
+        balance_late()
+        if k + 1 < 2:
+          balance(k + 1, k + 1)
+      if k + 2 < s_bvn:
+        balance(k + 2, k + 1)
     if s_bvn > 1:
       run(ref._stage_of_kind(schedule, "redistribute", s_bvn - 2), s_bvn + 1,
           "tail")

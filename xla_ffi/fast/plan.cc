@@ -95,14 +95,16 @@ int64_t RedistributionTail(int64_t amount) {
 }
 
 // Calls, until one returns false, in plan order: balance(k, phase) for
-// the balancing by use of BvN stage k (k = 0 in phase 0, stage k + 1 in
-// phase k + 1), and apply(row, phase, first, rows) on every other row
+// the balancing by use of BvN stage k (k = 0 in phase 0, k = 1 in phase
+// 1; k > 1 in two parts, the early one in phase k - 1 after the rest of
+// stage k - 1's, the rest in phase k), and apply(row, phase, first, rows)
+// on every other row
 // (`rows` of its units from unit `first` on): without BvN stages the
 // intra-server part (phase 0); else per stage k the scale-out of stage k
 // (phase k + 1), stage k's share of the intra-server part (IntraCuts), the
 // tail of stage k - 2's redistribution rows (k > 1), the head of stage
 // k - 1's (k > 0; head and tail: RedistributionTail), then the balancing
-// of stage k + 1; in phase S + 1 the tail of stage S - 2's and the whole
+// of stage k + 1 and the early part of stage k + 2's; in phase S + 1 the tail of stage S - 2's and the whole
 // last redistribution.  Balancing rows (stage 0) are not applied: the
 // balancing moves by use.  Returns whether every call returned true.
 template <typename Apply, typename Balance>
@@ -150,6 +152,7 @@ bool RunStages(const FastSchedule& schedule, const StageIndex& index,
       return false;
     }
     if (k + 1 < s && !balance(k + 1, phase)) return false;
+    if (k + 2 < s && !balance(k + 2, phase)) return false;
   }
   if (s > 1 && !run_part(2 * static_cast<int64_t>(s) - 1, s + 1, true)) {
     return false;
@@ -166,6 +169,37 @@ std::string FlowText(int64_t fs, int64_t fd) {
 int ProgramPhases(int num_stages, int gpus_per_server, bool any_traffic) {
   if (num_stages > 0) return num_stages + (gpus_per_server > 1 ? 2 : 1);
   return any_traffic ? 1 : 0;
+}
+
+// NIC : NVLink bandwidth per GPU the balancing split is sized for.
+constexpr int64_t kNic = 1, kNvlink = 9;
+
+void BalancingEarly::Size(const FastSchedule& schedule) {
+  const int n = schedule.num_servers, s = schedule.num_stages;
+  const int64_t m = schedule.gpus_per_server;
+  room_.assign(static_cast<size_t>(s) + 1, 0);
+  need_.assign(s, 0);
+  early_.assign(s, 0);
+  for (int k = 0; k < s; ++k) {
+    const int64_t* r = schedule.real.data() + static_cast<size_t>(k) * n;
+    const int64_t size = *std::max_element(r, r + n);
+    room_[k + 1] = kNvlink * size;
+    need_[k] = kNic * (m - 1) * size;
+  }
+  for (int k = s - 1; k > 0; --k) {
+    const int64_t own = std::min(room_[k], need_[k]);
+    room_[k] -= own;
+    if (k >= 2) {
+      early_[k] = std::min(room_[k - 1], need_[k] - own);
+      room_[k - 1] -= early_[k];
+    }
+  }
+}
+
+int64_t BalancingEarly::Rows(int64_t amount, int k) const {
+  if (k < 2 || early_[k] == 0) return 0;
+  return static_cast<int64_t>(static_cast<__int128>(amount) * early_[k] /
+                              need_[k]);
 }
 
 void ExecutionPlanner::Add(uint64_t key, const Segment& s) {
@@ -247,16 +281,26 @@ std::string ExecutionPlanner::Apply(const int64_t* row, int64_t phase,
 
 // Balancing by use of BvN stage k: for every scale-out row of stage k whose
 // sender is not the flow's source, the rows it sends move from the source
-// to it, from the front of their reserved range.
+// to it, from the front of their reserved range, into workspace reserved
+// for the whole row.  Stage k > 1 runs in two parts: in phase k - 1 the
+// first early_.Rows(amount, k) rows of each (the rest kept in late_ops_),
+// in phase k the rest.
 std::string ExecutionPlanner::Balance(const FastSchedule& schedule, int k,
                                       int64_t phase, ExecutionPlan* out) {
+  if (k >= 2 && phase == k) {
+    out->ops.insert(out->ops.end(), late_ops_.begin(), late_ops_.end());
+    late_ops_.clear();
+    return {};
+  }
   const int64_t st = 2 + 2 * static_cast<int64_t>(k);
   for (int64_t i = stages_.begin[st]; i < stages_.end[st]; ++i) {
     const int64_t* row = schedule.transfers.data() + i * kTransferCols;
     const int64_t j = row[kSrc], fs = row[kFlowSrc], fd = row[kFlowDst];
     if (j == fs) continue;
     std::vector<Range>& ranges = reserved_[Key(j, fs, fd)];
-    int64_t left = row[kAmount];
+    const int64_t amount = row[kAmount];
+    const int64_t head = phase < k ? early_.Rows(amount, k) : amount;
+    int64_t left = amount;
     while (left > 0) {
       if (ranges.empty()) {
         return "internal error: GPU " + std::to_string(j) + " sends rows of "
@@ -266,10 +310,19 @@ std::string ExecutionPlanner::Balance(const FastSchedule& schedule, int k,
       const int64_t y = std::min(left, r.rows);
       const int64_t dst_row = out->workspace_used[j];
       out->workspace_used[j] += y;
-      Add(Key(j, fs, fd), {r.first, y, kBufWs, dst_row, phase + 1});
-      out->ops.insert(out->ops.end(),
-                      {phase, fs, j, y, kBufX, send_off_[fs * g_ + fd] + r.first,
-                       kBufWs, dst_row, fs, fd, r.first});
+      Add(Key(j, fs, fd), {r.first, y, kBufWs, dst_row, k + 1});
+      const int64_t now =
+          std::clamp<int64_t>(head - (amount - left), 0, y);
+      const int64_t src_row = send_off_[fs * g_ + fd] + r.first;
+      if (now > 0) {
+        out->ops.insert(out->ops.end(), {phase, fs, j, now, kBufX, src_row,
+                                         kBufWs, dst_row, fs, fd, r.first});
+      }
+      if (y > now) {
+        late_ops_.insert(late_ops_.end(),
+                         {k, fs, j, y - now, kBufX, src_row + now, kBufWs,
+                          dst_row + now, fs, fd, r.first + now});
+      }
       r.first += y;
       r.rows -= y;
       left -= y;
@@ -292,6 +345,8 @@ std::string ExecutionPlanner::Plan(const int64_t* traffic,
   out->num_phases = 0;
   out->workspace_used.assign(g, 0);
   hold_.clear();
+  early_.Size(schedule);
+  late_ops_.clear();
   send_off_.assign(g * g, 0);
   recv_off_.assign(g * g, 0);
   for (int64_t s = 0; s < g; ++s) {
@@ -439,6 +494,8 @@ std::string RankPlanner::Plan(const int64_t* traffic,
   sent_.assign(g_, 0);
   balanced_in_.clear();
   balanced_head_ = 0;
+  balanced_late_ = 0;
+  early_.Size(schedule);
   relay_.clear();
   relay_head_ = 0;
   late_.clear();
@@ -626,24 +683,52 @@ void RankPlanner::GiverChunks(const FastSchedule& schedule) {
 
 // The balancing by use of BvN stage k in `phase`: the rank's chunks as a
 // giver, or, as a receiving lane, what its own stage-k scale-out rows send
-// of other GPUs' flows (into its workspace, sent on in stage k).
+// of other GPUs' flows (into its workspace, sent on in stage k).  Stage
+// k > 1 in two parts (ExecutionPlanner::Balance): in phase k - 1 the
+// early rows of each chunk and row, with the row's whole workspace; in
+// phase k the rest.
 bool RankPlanner::Balance(const FastSchedule& schedule, int k, int64_t phase,
                           RankProgram* out) {
-  while (chunk_head_ < chunks_.size() && chunks_[chunk_head_].stage == k) {
-    const Chunk& c = chunks_[chunk_head_++];
-    Push(RankOpKind::kSend, c.peer, c.rows, kBufX, c.src_row, kNotMine,
-         kNotMine, phase, out);
+  const bool split = k >= 2;
+  const bool late = split && phase == k;
+  size_t c = chunk_head_;
+  for (; c < chunks_.size() && chunks_[c].stage == k; ++c) {
+    const Chunk& chunk = chunks_[c];
+    const int64_t early = split ? early_.Rows(chunk.rows, k) : 0;
+    const int64_t rows = late ? chunk.rows - early
+                              : (split ? early : chunk.rows);
+    if (rows > 0) {
+      Push(RankOpKind::kSend, chunk.peer, rows, kBufX,
+           chunk.src_row + (late ? early : 0), kNotMine, kNotMine, phase,
+           out);
+    }
   }
+  if (late || !split) chunk_head_ = c;
   const int64_t st = 2 + 2 * static_cast<int64_t>(k);
   const int64_t* tr = schedule.transfers.data();
+  if (!late) balanced_late_ = balanced_in_.size();
+  size_t held = balanced_late_;
   for (int64_t i = stages_.begin[st]; i < stages_.end[st]; ++i) {
     const int64_t* row = tr + i * kTransferCols;
     if (row[kSrc] != rank_ || row[kFlowSrc] == rank_) continue;
-    Push(RankOpKind::kRecv, row[kFlowSrc], row[kAmount], kNotMine, kNotMine,
-         kBufWs, bump_, phase, out);
+    const int64_t amount = row[kAmount];
+    const int64_t early = split ? early_.Rows(amount, k) : 0;
+    if (late) {
+      const Held& h = balanced_in_[held++];
+      if (amount > early) {
+        Push(RankOpKind::kRecv, row[kFlowSrc], amount - early, kNotMine,
+             kNotMine, kBufWs, h.row + early, phase, out);
+      }
+      continue;
+    }
+    const int64_t rows = split ? early : amount;
+    if (rows > 0) {
+      Push(RankOpKind::kRecv, row[kFlowSrc], rows, kNotMine, kNotMine,
+           kBufWs, bump_, phase, out);
+    }
     balanced_in_.push_back({row[kFlowSrc], row[kFlowDst], kBufWs, bump_,
-                            row[kAmount], phase + 1});
-    bump_ += row[kAmount];
+                            amount, k + 1});
+    bump_ += amount;
   }
   return true;
 }

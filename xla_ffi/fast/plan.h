@@ -56,6 +56,18 @@ struct StageIndex {
   std::vector<int64_t> begin, end;
 };
 
+// How much of each BvN stage's balancing by use runs a phase early
+// (plan.py's balancing_early): Rows(amount, k) of a use of `amount` rows
+// of stage k move in phase k - 1, the rest in phase k.
+class BalancingEarly {
+ public:
+  void Size(const FastSchedule& schedule);
+  int64_t Rows(int64_t amount, int k) const;
+
+ private:
+  std::vector<int64_t> room_, need_, early_;
+};
+
 class ExecutionPlanner {
  public:
   // traffic: row-major int64[G * G] (the one `schedule` was built from with
@@ -94,6 +106,9 @@ class ExecutionPlanner {
   std::vector<int64_t> given_;  // [G * G] rows of each flow given away
   // (receiver, flow) -> rows reserved for it, lowest last.
   std::unordered_map<uint64_t, std::vector<Range>> reserved_;
+  BalancingEarly early_;
+  // Ops of the stage whose balancing started early, for its own phase.
+  std::vector<int64_t> late_ops_;
 };
 
 enum class RankOpKind : int { kCopy, kSend, kRecv };
@@ -196,6 +211,9 @@ class RankPlanner {
   // Balancing rows received (by use), sent on in this order.
   std::vector<Held> balanced_in_;
   size_t balanced_head_ = 0;
+  // First of them that the stage balanced early still completes.
+  size_t balanced_late_ = 0;
+  BalancingEarly early_;
   // Balancing rows the rank gives, by stage (GiverChunks).
   struct Chunk {
     int stage;

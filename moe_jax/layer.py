@@ -220,6 +220,15 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
       static shapes, no host synchronization; graph-capturable when its
       custom calls are.
     """
+    if config.matmul == "row_invariant":
+        x = jax.lax.optimization_barrier(x)
+        y, aux = _moe_layer(params, x, config, mesh, placement, replica_choice,
+                            return_delivered)
+        return jax.lax.optimization_barrier((y, aux))
+    return _moe_layer(params, x, config, mesh, placement, replica_choice, return_delivered)
+
+
+def _moe_layer(params, x, config, mesh, placement, replica_choice, return_delivered):
     if x.shape[-1] != config.hidden_size:
         raise ValueError(f"moe_layer: argument 'x' must end in hidden_size="
                          f"{config.hidden_size}, got shape {list(x.shape)}")

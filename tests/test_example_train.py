@@ -58,6 +58,25 @@ def test_example_loss_falls_and_strategies_follow_dense(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("variant, strategies", [
+    ("linen", "dense,max_counts,cap_and_spill,ragged"), ("nnx", "dense,cap_and_spill")])
+def test_row_invariant_strategies_train_bitwise_like_dense(tmp_path, variant, strategies):
+    """--matmul=row_invariant: every strategy's loss curve is dense's, bit for
+    bit (--tolerance=0), the cap-and-spill fallback taken on every step."""
+    curves_path = tmp_path / "curves.json"
+    out = run_example("--steps=24", f"--strategies={strategies}", f"--variant={variant}",
+                      "--matmul=row_invariant", "--tolerance=0",
+                      f"--curves_out={curves_path}")
+    assert "PASS" in out
+    result = json.loads(curves_path.read_text())
+    dense = np.asarray(result["curves"]["dense"], np.float32)
+    for name, curve in result["curves"].items():
+        np.testing.assert_array_equal(np.asarray(curve, np.float32).view(np.uint32),
+                                      dense.view(np.uint32), err_msg=name)
+    runs = {r["strategy"]: r for r in result["runs"]}
+    assert runs["cap_and_spill"]["fallback_steps"] > 0
+
+
 def _config(strategy: str) -> DecoderConfig:
     return DecoderConfig.create(vocab_size=32, d_model=32, num_heads=4, num_layers=1,
                                 num_experts=8, top_k=2, ffn_size=32, max_len=8,

@@ -1,0 +1,120 @@
+"""Weight gradients summed in one order (moe_jax.ordered_grads): with the
+row-invariant matmul every strategy's gradients are dense's, bit for bit,
+at any top-k, with the cap-and-spill fallback, on 2 to 8 ranks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax as mj
+from moe_jax.ordered_grads import (SourceSizes, ordered_sum, replicate_for_ranks,
+                                   source_weight_grads)
+from moe_testing import bits, mesh_of
+
+
+def test_ordered_sum_adds_left_to_right():
+    parts = jnp.asarray([[1e8], [1.0], [-1e8], [1.0]], jnp.float32)
+    want = ((np.float32(1e8) + np.float32(1.0)) + np.float32(-1e8)) + np.float32(1.0)
+    assert float(ordered_sum(parts, 0)[0]) == float(want) == 1.0
+
+
+def _groups(rng, sizes, k, n):
+    a = rng.standard_normal((sum(sizes), k)).astype(np.float32)
+    d = rng.standard_normal((sum(sizes), n)).astype(np.float32)
+    return a, d
+
+
+def test_source_weight_grads_are_each_groups_product():
+    rng = np.random.default_rng(0)
+    sizes = np.asarray([[3, 0], [5, 2], [0, 0]], np.int32)
+    a, d = _groups(rng, sizes.reshape(-1).tolist(), 6, 4)
+    got = np.asarray(source_weight_grads(jnp.asarray(a), jnp.asarray(d),
+                                         SourceSizes(jnp.asarray(sizes), 5)))
+    start = 0
+    for e in range(3):
+        for s in range(2):
+            n = sizes[e, s]
+            want = a[start:start + n].T.astype(np.float64) @ d[start:start + n]
+            np.testing.assert_allclose(got[e, s], want, rtol=1e-5, atol=1e-5)
+            start += n
+
+
+def test_a_partial_depends_on_its_group_alone():
+    """The same group's rows give the same bits at any offset, next to any
+    other groups, with any padding after them and any bound on the rows."""
+    rng = np.random.default_rng(1)
+    a, d = _groups(rng, [7], 16, 8)
+
+    def partial(before, after, max_rows, pad):
+        other_a, other_d = _groups(rng, [before + after], 16, 8)
+        rows_a = np.concatenate([other_a[:before], a, other_a[before:],
+                                 rng.standard_normal((pad, 16)).astype(np.float32)])
+        rows_d = np.concatenate([other_d[:before], d, other_d[before:],
+                                 rng.standard_normal((pad, 8)).astype(np.float32)])
+        sizes = jnp.asarray([[before, 7, after]], jnp.int32)
+        return np.asarray(source_weight_grads(jnp.asarray(rows_a), jnp.asarray(rows_d),
+                                              SourceSizes(sizes, max_rows)))[0, 1]
+
+    first = partial(0, 0, 7, 0)
+    for before, after, max_rows, pad in [(5, 3, 9, 4), (11, 0, 40, 1), (1, 20, 20, 0)]:
+        np.testing.assert_array_equal(bits(partial(before, after, max_rows, pad)), bits(first))
+
+
+def test_replicate_for_ranks_gradient_is_the_ordered_sum():
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3)), jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(3).standard_normal((8, 3)) * 1e6, jnp.float32)
+    _, pull = jax.vjp(lambda v: replicate_for_ranks(v, 4), w)
+    (got,) = pull(cot)
+    np.testing.assert_array_equal(bits(np.asarray(got)),
+                                  bits(np.asarray(ordered_sum(cot.reshape(4, 2, 3), 0))))
+
+
+def _grads(config, params, x, mesh):
+    def loss(p, x):
+        y, aux = mj.moe_layer(p, x, config, mesh)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux.weighted_loss(config)
+    return jax.tree.map(np.asarray, jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x))
+
+
+CASES = [(8, 1, jnp.float32), (8, 3, jnp.float32), (8, 4, jnp.bfloat16), (4, 8, jnp.float32),
+         (2, 3, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("ranks, top_k, dtype", CASES)
+def test_every_strategy_has_denses_gradient_bits(ranks, top_k, dtype):
+    config = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=top_k,
+                          strategy="dense", dtype=dtype, param_dtype=jnp.float32,
+                          matmul="row_invariant", load_balance_coef=0.01, router_z_coef=0.001)
+    key = jax.random.key(ranks * 10 + top_k)
+    params = mj.init_moe_params(key, config)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (ranks * 16, 32), dtype)
+    mesh = mesh_of(ranks)
+    want = _grads(config, params, x, mesh)
+    spill = config.replace(strategy="cap_and_spill", capacity=2, spill_capacity=1)
+    _, aux = jax.jit(lambda p, x: mj.moe_layer(p, x, spill, mesh))(params, x)
+    assert int(aux.stats.fallback_steps) > 0, "C and S must force the fallback"
+    for cfg in (config.replace(strategy="max_counts"), config.replace(strategy="ragged"), spill,
+                config.replace(strategy="cap_and_spill", capacity=64, spill_capacity=8)):
+        got = _grads(cfg, params, x, mesh)
+        for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want),
+                              jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(
+                bits(g), bits(w), err_msg=f"{cfg.strategy} C={cfg.capacity} "
+                f"{jax.tree_util.keystr(path[0])}")
+
+
+def test_dense_over_a_mesh_splits_the_tokens_and_matches_one_device():
+    """dense with the expert axis runs data-parallel: the same layer output,
+    losses and counts as on one device (XLA's matmul: within rounding)."""
+    config = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=2,
+                          strategy="dense", dtype=jnp.float32, param_dtype=jnp.float32)
+    params = mj.init_moe_params(jax.random.key(5), config)
+    x = jax.random.normal(jax.random.key(6), (64, 32), jnp.float32)
+    y_mesh, aux_mesh = jax.jit(lambda p, x: mj.moe_layer(p, x, config, mesh_of(4)))(params, x)
+    y_one, aux_one = jax.jit(lambda p, x: mj.moe_layer(p, x, config))(params, x)
+    np.testing.assert_allclose(np.asarray(y_mesh), np.asarray(y_one), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(aux_mesh.load_balance_loss),
+                               float(aux_one.load_balance_loss), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(aux_mesh.expert_rows),
+                                  np.asarray(aux_one.expert_rows))

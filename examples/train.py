@@ -12,10 +12,12 @@ permutation of the previous one, or with probability --noise a random
 token), loss = next-token cross-entropy + the MoE layers' load-balancing
 and z-losses. Every strategy of --strategies starts from the same weights
 and sees the same batches; the run prints each one's loss curve against the
-first's (the reference, `dense` by default): with XLA's expert matmul
-(--matmul=xla) the curves agree within rounding, checked against
---tolerance (max relative difference over the steps); the exit status is 1
-if a curve is further off or the loss did not fall. --plot saves the curves
+first's (the reference, `dense` by default, data-parallel on the same
+mesh): with XLA's expert matmul (--matmul=xla) the curves agree within
+rounding, with the row-invariant one (--matmul=row_invariant) bit for bit;
+each is checked against --tolerance (max relative difference over the
+steps; 0: the same bits); the exit status is 1 if a curve is further off or
+the loss did not fall. --plot saves the curves
 as a PNG (needs matplotlib, the [bench] extra; skipped without it).
 
 --checkpoint_dir: if it holds a training state (parameters, optimizer
@@ -55,8 +57,8 @@ flags.DEFINE_enum("variant", "linen", ["linen", "nnx"], "Flax API of the model."
 flags.DEFINE_enum("transport", "lax", list(TRANSPORTS), "How buffers cross ranks.")
 flags.DEFINE_enum("matmul", "xla", ["xla", "row_invariant", "auto", "cutlass"],
                   "Router and expert matmuls (MoEConfig.matmul): row_invariant makes every "
-                  "strategy's layer output bitwise dense's; the loss curves still differ in "
-                  "the last bits (weight-gradient sums over ranks, docs/training.md).")
+                  "strategy train bit for bit like dense (run with --tolerance=0 to check; "
+                  "docs/training.md).")
 flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"], "Devices to train on.")
 flags.DEFINE_integer("ep", None, "Expert-parallel ranks (default: all devices / "
                      "--data_parallel).")

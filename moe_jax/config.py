@@ -96,15 +96,23 @@ class MoEConfig:
       matmul: how the experts (and, with "row_invariant", the router)
         multiply; see moe_jax.ops.grouped_matmul. "auto" (default): the
         CUTLASS grouped GEMM on Hopper GPUs for bfloat16/float16 (fused
-        SwiGLU epilogue, row-invariant; one expert per rank with at most
-        512 rows runs as one dense cuBLAS matmul instead, not
+        SwiGLU epilogue, row-invariant; where it would have fewer tiles
+        than the GPU has SMs and the rows are few, e.g. 1-8 experts per
+        rank at decode, one batched dense cuBLAS matmul instead, not
         row-invariant), XLA's `lax.ragged_dot` elsewhere.
         "cutlass": the CUTLASS kernels, or an error where they cannot run.
         "row_invariant": every row's bits depend only on that row and its
         expert's weights on every platform (the CUTLASS kernels where they
         apply, else `moe_jax.row_invariant`'s custom call; the router too),
         so every strategy, EP size and batch gives bitwise the same layer
-        output; dtype bfloat16 or float32. "xla": `lax.ragged_dot` (on GPU
+        output; and the same gradients: the experts' weight gradients are
+        float32 partials per (expert, source rank) added in rank order
+        (moe_jax.ordered_grads; P times the local experts' weight-gradient
+        memory in the backward), "dense" over a mesh adds its ranks'
+        partials in the same order, and the layer is kept out of its
+        neighbours' XLA fusions, so a model trains bit for bit alike on
+        every strategy and EP size (docs/training.md); dtype bfloat16 or
+        float32. "xla": `lax.ragged_dot` (on GPU
         a dense matmul over every expert, and the bits of a row can change
         with the number of rows in the call).
     """

@@ -198,8 +198,11 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
         ranks of `config.data_axes` + (`config.expert_axis`,), in that order
         (their count must divide by the product of those axes' sizes).
       config: MoEConfig.
-      mesh: mesh holding `config.expert_axis` and `config.data_axes` (not
-        needed for "dense").
+      mesh: mesh holding `config.expert_axis` and `config.data_axes`. For
+        "dense" optional: with the expert axis the tokens are split over it
+        (and the data axes) and every rank runs every expert on its own
+        tokens; without it (or with a placement) the layer runs on the
+        whole batch.
       placement: hot-expert replication (`moe_jax.replication`): the
         `Placement.device_arrays()` of E experts on P x S slots, P the size
         of the expert axis (any P for "dense"); params.experts then holds
@@ -218,7 +221,10 @@ def moe_layer(params: MoEParams, x: jax.Array, config: MoEConfig,
       (y [..., H] in config.dtype, MoEAux). The losses and stats cover every
       token of the call, all data-parallel groups together. Jit-compatible:
       static shapes, no host synchronization; graph-capturable when its
-      custom calls are.
+      custom calls are. With matmul="row_invariant" x and the results pass
+      an optimization barrier (no XLA fusion across the layer's boundary)
+      and every gradient is summed in one order on every strategy
+      (moe_jax.ordered_grads).
     """
     if config.matmul == "row_invariant":
         x = jax.lax.optimization_barrier(x)

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from moe_jax import nvlink
 from moe_jax.dispatch.context import DispatchContext
-from moe_jax.dispatch.passes import Delivered
+from moe_jax.dispatch.passes import Delivered, call_experts
 from moe_jax.dispatch.stats import stream_stats
+from moe_jax.ordered_grads import SourceSizes
 from moe_jax.plan import drop_invalid_picks
 
 
@@ -31,7 +32,10 @@ def nvlink_dispatch_combine(x, expert_ids, weights, expert_fn, *, strategy: str,
     channel, got = nvlink.dispatch_dequantized(
         x, ids, experts_per_rank=experts_per_rank, axis_name=ctx.axis_name,
         mesh_devices=ctx.mesh_devices, fp8=ctx.dispatch_fp8)
-    y = expert_fn(got.rows, got.group_sizes).astype(x.dtype)
+    # Rows come grouped by local expert, then source rank (canonical order).
+    from_sources = jnp.take(got.all_counts, ctx.rank(), axis=1).T.astype(jnp.int32)
+    y = call_experts(expert_fn, got.rows, got.group_sizes,
+                     SourceSizes(from_sources, x.shape[0])).astype(x.dtype)
     out = nvlink.combine(channel, y, got, ids, weights, axis_name=ctx.axis_name)
     peer_counts = jnp.sum(got.all_counts, axis=2)
     num_slots = ctx.num_ranks * ids.size

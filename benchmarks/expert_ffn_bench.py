@@ -170,6 +170,18 @@ def _ffn_torch(x, w_gate_up, w_down, sizes):
     return run, lambda: run().float().cpu().numpy()
 
 
+def _time_torch_ffn(x, weights, sizes, row: dict):
+    """Times torch._grouped_mm's FFN into row["torch_us"] and returns its
+    output, or records row["torch_error"] and returns None without PyTorch."""
+    got = _ffn_torch(x, *weights, sizes)
+    if got is None:
+        row["torch_error"] = "PyTorch not installed"
+        return None
+    run, result = got
+    row["torch_us"] = _time_torch(run) * 1e6
+    return result()
+
+
 def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -188,12 +200,10 @@ def bench_ffn(floors: dict) -> list[dict]:
         for method in FLAGS.methods:
             try:
                 if method == "torch":
-                    got = _ffn_torch(x, *weights, sizes)
-                    if got is None:
-                        row["torch_error"] = "PyTorch not installed"
+                    out = _time_torch_ffn(x, weights, sizes, row)
+                    if out is None:
                         continue
-                    run, result = got
-                    seconds, out = _time_torch(run), result()
+                    seconds = row.pop("torch_us") / 1e6
                 elif method == "pallas":
                     if pallas_failed:
                         row["pallas_error"] = "skipped: " + pallas_failed
@@ -252,13 +262,9 @@ def bench_decode(floors: dict) -> list[dict]:
             for method in ("auto", "cutlass", "torch"):
                 try:
                     if method == "torch":
-                        got = _ffn_torch(x, *weights, sizes)
-                        if got is None:
-                            row["torch_error"] = "PyTorch not installed"
-                            continue
-                        run, result = got
-                        row["torch_us"] = _time_torch(run) * 1e6
-                        results[method] = result()
+                        torch_out = _time_torch_ffn(x, weights, sizes, row)
+                        if torch_out is not None:
+                            results[method] = torch_out
                         continue
                     fn = _ffn_jax(method)
                     row[f"{method}_us"] = _time_jax(fn, x, gs, *weights) * 1e6

@@ -201,14 +201,17 @@ def test_intra_server_part_spreads_over_the_stages(case):
       assert sum(r for _, _, r in got) == t[src, dst]
 
 
-@given(traffic_cases())
-def test_redistribution_runs_over_two_phases(case):
+def _plan_of(case):
+  """(schedule, the execution plan's ops, each GPU's server) of a case."""
   t, n, m = case
   s = ref.fast_schedule(t, n, m)
-  plan = pl.execution_plan(t, n, m, s)
-  ops = plan.ops
+  return s, pl.execution_plan(t, n, m, s).ops, np.arange(n * m) // m
+
+
+@given(traffic_cases())
+def test_redistribution_runs_over_two_phases(case):
+  s, ops, srv = _plan_of(case)
   sb = s.num_bvn_stages
-  srv = np.arange(n * m) // m
   # Redistribution ops: within a server, from a GPU that is not the flow's
   # source, to the flow's destination.
   red = ops[(srv[ops[:, pl.SRC]] == srv[ops[:, pl.DST]])
@@ -237,12 +240,9 @@ def test_redistribution_runs_over_two_phases(case):
 
 @given(traffic_cases())
 def test_balancing_runs_early_by_the_split(case):
-  t, n, m = case
-  s = ref.fast_schedule(t, n, m)
-  plan = pl.execution_plan(t, n, m, s)
-  ops = plan.ops
+  s, ops, srv = _plan_of(case)
+  _, n, m = case
   sb = s.num_bvn_stages
-  srv = np.arange(n * m) // m
   # Balancing ops: within a server, from the flow's source to a GPU that
   # is not its destination.
   bal = ops[(srv[ops[:, pl.SRC]] == srv[ops[:, pl.DST]])

@@ -269,21 +269,11 @@ def _moe_layer(params, x, config, mesh, placement, replica_choice, return_delive
         raise ValueError(f"moe_layer: argument 'mesh' must have the expert axis {axis!r} "
                          f"for strategy {config.strategy!r}, got "
                          f"{None if mesh is None else mesh.axis_names}")
-    missing = [a for a in config.data_axes if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"moe_layer: argument 'mesh' lacks the data axes {missing} of "
-                         f"MoEConfig.data_axes={config.data_axes}; its axes are "
-                         f"{mesh.axis_names}")
     num_ranks = mesh.shape[axis]
     config.experts_per_rank(num_ranks)
-    data_ranks = math.prod(mesh.shape[a] for a in config.data_axes)
-    token_axes = (*config.data_axes, axis)
-    token_spec = P(token_axes) if config.data_axes else P(axis)
-    tokens = _flatten(x, mesh, token_spec)
-    if tokens.shape[0] % (num_ranks * data_ranks):
-        raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
-                         f"split evenly over the {num_ranks * data_ranks} ranks of mesh axes "
-                         f"{token_axes}")
+    token_axes, token_spec, token_ranks = _token_axes(config, mesh)
+    data_ranks = token_ranks // num_ranks
+    tokens = _split_tokens(x, mesh, token_axes, token_spec, token_ranks)
     transport = _transport(config, mesh)
     ctx = DispatchContext(axis, num_ranks, transport, config.kernel_impl,
                           _platform(mesh), tuple(mesh.devices.flat),
@@ -324,6 +314,15 @@ def _token_axes(config: MoEConfig, mesh) -> tuple[tuple[str, ...], P, int]:
     return axes, spec, math.prod(mesh.shape[a] for a in axes)
 
 
+def _split_tokens(x, mesh, axes, token_spec: P, ranks: int) -> jax.Array:
+    """x flattened to [tokens, H], checked to split evenly over the ranks."""
+    tokens = _flatten(x, mesh, token_spec)
+    if tokens.shape[0] % ranks:
+        raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
+                         f"split evenly over the {ranks} ranks of mesh axes {axes}")
+    return tokens
+
+
 def _dense_data_parallel(params: MoEParams, x: jax.Array, config: MoEConfig, mesh,
                          return_delivered: bool):
     """"dense" over a mesh: the tokens split over the expert (and data) axes
@@ -333,10 +332,7 @@ def _dense_data_parallel(params: MoEParams, x: jax.Array, config: MoEConfig, mes
     partials added in rank order (ordered_grads), which is how the
     expert-parallel strategies add theirs, so they have the same bits."""
     axes, token_spec, ranks = _token_axes(config, mesh)
-    tokens = _flatten(x, mesh, token_spec)
-    if tokens.shape[0] % ranks:
-        raise ValueError(f"moe_layer: argument 'x' has {tokens.shape[0]} tokens, which do not "
-                         f"split evenly over the {ranks} ranks of mesh axes {axes}")
+    tokens = _split_tokens(x, mesh, axes, token_spec, ranks)
     ctx = DispatchContext(None, 1, _transport(config, None), config.kernel_impl,
                           _platform(mesh), data_axes=axes, data_ranks=ranks)
     experts = params.experts

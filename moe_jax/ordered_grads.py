@@ -55,6 +55,8 @@ def source_weight_grads(a: jax.Array, d: jax.Array, sources: SourceSizes,
     starts, on the other groups, or on M.
     """
     num_experts, num_sources = sources.sizes.shape
+    if a.shape[0] == 0:
+        return jnp.zeros((num_experts, num_sources, a.shape[1], d.shape[1]), jnp.float32)
     groups = num_experts * num_sources
     rows = max(min(int(sources.max_rows), a.shape[0]), 1)
     sizes = jnp.maximum(sources.sizes.reshape(-1), 0)

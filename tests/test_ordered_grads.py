@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import moe_jax as mj
 from moe_jax.ordered_grads import (SourceSizes, ordered_sum, replicate_for_ranks,
@@ -61,6 +62,25 @@ def test_a_partial_depends_on_its_group_alone():
         np.testing.assert_array_equal(bits(partial(before, after, max_rows, pad)), bits(first))
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=6), st.integers(0, 5),
+       st.integers(0, 3))
+def test_partials_are_independent_of_the_other_groups(sizes, pick, pad):
+    """Property: each group's partial has the bits it has alone, whatever
+    the other groups' sizes, the padding after the rows and the row bound."""
+    pick %= len(sizes)
+    rng = np.random.default_rng(sum(sizes) * 7 + pick)
+    a, d = _groups(rng, [sum(sizes) + pad], 8, 4)
+    grouped = jnp.asarray(sizes, jnp.int32).reshape(len(sizes), 1)
+    got = np.asarray(source_weight_grads(jnp.asarray(a), jnp.asarray(d),
+                                         SourceSizes(grouped, max(sizes) + pad)))
+    start = sum(sizes[:pick])
+    alone = np.asarray(source_weight_grads(
+        jnp.asarray(a[start:start + sizes[pick]]), jnp.asarray(d[start:start + sizes[pick]]),
+        SourceSizes(jnp.asarray([[sizes[pick]]], jnp.int32), max(sizes[pick], 1))))
+    np.testing.assert_array_equal(bits(got[pick, 0]), bits(alone[0, 0]))
+
+
 def test_replicate_for_ranks_gradient_is_the_ordered_sum():
     w = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3)), jnp.float32)
     cot = jnp.asarray(np.random.default_rng(3).standard_normal((8, 3)) * 1e6, jnp.float32)
@@ -77,19 +97,22 @@ def _grads(config, params, x, mesh):
     return jax.tree.map(np.asarray, jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x))
 
 
-CASES = [(8, 1, jnp.float32), (8, 3, jnp.float32), (8, 4, jnp.bfloat16), (4, 8, jnp.float32),
-         (2, 3, jnp.bfloat16)]
+CASES = [(8, 1, jnp.float32, False), (8, 3, jnp.float32, False), (8, 4, jnp.bfloat16, False),
+         (4, 8, jnp.float32, False), (2, 3, jnp.bfloat16, False), (4, 2, jnp.float32, True)]
 
 
 def check_every_strategy(ranks, top_k, dtype, backend="cpu", transport="lax",
-                         strategies=("max_counts", "ragged", "cap_and_spill")):
+                         strategies=("max_counts", "ragged", "cap_and_spill"), hot=False):
     """Every strategy's gradients (parameters and tokens) have dense's bits
-    over the same mesh, cap_and_spill with and without its fallback."""
+    over the same mesh, cap_and_spill with and without its fallback; with
+    hot, a router that sends most tokens to expert 0 first."""
     config = mj.MoEConfig(hidden_size=32, ffn_size=48, num_experts=8, top_k=top_k,
                           strategy="dense", dtype=dtype, param_dtype=jnp.float32,
                           matmul="row_invariant", load_balance_coef=0.01, router_z_coef=0.001)
     key = jax.random.key(ranks * 10 + top_k)
     params = mj.init_moe_params(key, config)
+    if hot:
+        params = params._replace(router=params.router.at[:, 0].add(2.0))
     x = jax.random.normal(jax.random.fold_in(key, 1), (ranks * 16, 32), dtype)
     mesh = mesh_of(ranks, backend)
     want = _grads(config, params, x, mesh)
@@ -111,9 +134,9 @@ def check_every_strategy(ranks, top_k, dtype, backend="cpu", transport="lax",
                 f"{jax.tree_util.keystr(path[0])}")
 
 
-@pytest.mark.parametrize("ranks, top_k, dtype", CASES)
-def test_every_strategy_has_denses_gradient_bits(ranks, top_k, dtype):
-    check_every_strategy(ranks, top_k, dtype)
+@pytest.mark.parametrize("ranks, top_k, dtype, hot", CASES)
+def test_every_strategy_has_denses_gradient_bits(ranks, top_k, dtype, hot):
+    check_every_strategy(ranks, top_k, dtype, hot=hot)
 
 
 def test_dense_over_a_mesh_splits_the_tokens_and_matches_one_device():

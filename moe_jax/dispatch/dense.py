@@ -1,4 +1,6 @@
-"""dense: every expert on one rank, no expert parallelism. The reference."""
+"""dense: every expert on one rank, no expert parallelism. The reference.
+
+Over a mesh (moe_layer) every rank runs this on its own tokens."""
 
 from __future__ import annotations
 

@@ -67,7 +67,9 @@ def dispatch_combine(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
         adds nothing to its token's output (nor any gradient) and is
         counted in stats.dropped_rows.
       weights: [T, k] float32 combine weights.
-      expert_fn: applies this rank's experts to rows grouped by local expert.
+      expert_fn: applies this rank's experts to rows grouped by local expert
+        (moe_jax.dispatch.passes.ExpertFn; one whose `takes_sources` is true
+        is also told each expert's rows per source rank).
       strategy: "dense", "max_counts", "cap_and_spill" or "ragged".
       ctx: rank group, transport and kernel implementation.
       experts_per_rank: E_local.

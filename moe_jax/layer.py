@@ -283,9 +283,7 @@ def _moe_layer(params, x, config, mesh, placement, replica_choice, return_delive
                           if transport == "fast" else None)
     expert_spec = ExpertWeights(P(axis), P(axis))
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
-    delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
-    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)),
-                      delivered_spec, P())
+    aux_spec = _aux_spec(token_spec, return_delivered)
     placement_spec = None if placement is None else PlacementArrays(P(), P(), P(), P())
 
     def body(p, t, placed):
@@ -312,6 +310,14 @@ def _token_axes(config: MoEConfig, mesh) -> tuple[tuple[str, ...], P, int]:
     axes = (*config.data_axes, config.expert_axis)
     spec = P(axes) if config.data_axes else P(config.expert_axis)
     return axes, spec, math.prod(mesh.shape[a] for a in axes)
+
+
+def _aux_spec(token_spec: P, return_delivered: bool) -> MoEAux:
+    """MoEAux's shard_map out_specs: totals replicated, delivered rows split
+    as the tokens."""
+    delivered = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
+    return MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)), delivered,
+                  P())
 
 
 def _split_tokens(x, mesh, axes, token_spec: P, ranks: int) -> jax.Array:
@@ -343,9 +349,7 @@ def _dense_data_parallel(params: MoEParams, x: jax.Array, config: MoEConfig, mes
     else:
         expert_spec = ExpertWeights(P(), P())
     param_specs = MoEParams(P(), None if params.router_bias is None else P(), expert_spec)
-    delivered_spec = Delivered(token_spec, token_spec, token_spec) if return_delivered else None
-    aux_spec = MoEAux(P(), P(), DispatchStats(*(P(),) * len(DispatchStats._fields)),
-                      delivered_spec, P())
+    aux_spec = _aux_spec(token_spec, return_delivered)
 
     def body(p, t):
         return _route_and_dispatch(p, t, config, ctx, return_delivered)

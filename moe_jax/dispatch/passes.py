@@ -86,7 +86,7 @@ def locate_rows(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array):
 
 
 def window_positions(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array, *,
-                     start: int, width: int) -> tuple[jax.Array, jax.Array]:
+                     start: int, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Where received rows go when a window's rows are sorted by local expert.
 
     Args:
@@ -100,27 +100,21 @@ def window_positions(src: jax.Array, q: jax.Array, recv_expert_counts: jax.Array
        expert, then source, then stream position (a stable sort by expert of
        the source-major rows); M + (the row's index) for rows past their
        stream's end, so every index is distinct,
-       group_sizes [E_local] int32: the window's rows per local expert).
+       group_sizes [E_local] int32: the window's rows per local expert,
+       in_window [P, E_local] int32: the window's rows per (source, local
+       expert)).
     """
     num_local = recv_expert_counts.shape[1]
     ends = jnp.cumsum(recv_expert_counts, axis=1)
     lo = jnp.clip(ends - recv_expert_counts, start, start + width)
-    in_window = window_counts(recv_expert_counts, start=start, width=width)
+    in_window = (jnp.clip(ends, start, start + width) - lo).astype(jnp.int32)
     group_sizes = jnp.sum(in_window, axis=0).astype(jnp.int32)
     local = jnp.sum(q[:, None] >= ends[src], axis=1)
     safe = jnp.minimum(local, num_local - 1)
     pos = (exclusive_cumsum(group_sizes)[safe] + exclusive_cumsum(in_window, axis=0)[src, safe]
            + q - lo[src, safe])
     beyond = q.shape[0] + jnp.arange(q.shape[0])
-    return jnp.where(local < num_local, pos, beyond).astype(jnp.int32), group_sizes
-
-
-def window_counts(recv_expert_counts: jax.Array, *, start: int, width: int) -> jax.Array:
-    """[P, E_local] int32: rows of each (source, local expert) among stream
-    positions [start, start + width) (streams are expert-major)."""
-    ends = jnp.cumsum(recv_expert_counts, axis=1)
-    lo = jnp.clip(ends - recv_expert_counts, start, start + width)
-    return (jnp.clip(ends, start, start + width) - lo).astype(jnp.int32)
+    return jnp.where(local < num_local, pos, beyond).astype(jnp.int32), group_sizes, in_window
 
 
 def run_experts(rows: jax.Array, pos: jax.Array, group_sizes: jax.Array, expert_fn: ExpertFn,
@@ -291,10 +285,10 @@ def exchange_window(x: jax.Array, plan: DispatchPlan, recv_expert_counts: jax.Ar
     width = capacity + spill_capacity
     src = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), width)
     q = jnp.tile(start + jnp.arange(width, dtype=jnp.int32), num_ranks)
-    pos, group_sizes = window_positions(src, q, recv_expert_counts, start=start, width=width)
+    pos, group_sizes, in_window = window_positions(src, q, recv_expert_counts, start=start,
+                                                   width=width)
     flat = rows.reshape((num_ranks * width,) + rows.shape[2:])
-    sources = SourceSizes(window_counts(recv_expert_counts, start=start, width=width).T,
-                          min(width, x.shape[0]))
+    sources = SourceSizes(in_window.T, min(width, x.shape[0]))
     out_rows = run_experts(flat, pos, group_sizes, expert_fn, in_order=num_ranks == 1,
                            sources=sources).reshape(rows.shape)
     delivered = None

@@ -33,10 +33,10 @@ def ragged(x, weights, plan, ctx: DispatchContext, expert_fn, *, recv_expert_cou
     src = jnp.clip(jnp.sum(r[:, None] >= (recv_offsets + recv_counts)[None, :], axis=1),
                    0, num_ranks - 1).astype(jnp.int32)
     q = r - recv_offsets[src]
-    pos, group_sizes = window_positions(src, q, recv_expert_counts, start=0, width=recv_rows)
+    pos, group_sizes, in_window = window_positions(src, q, recv_expert_counts, start=0,
+                                                   width=recv_rows)
     out_rows = run_experts(rows, pos, group_sizes, expert_fn,
-                           sources=SourceSizes(recv_expert_counts.T.astype(jnp.int32),
-                                               x.shape[0]))
+                           sources=SourceSizes(in_window.T, x.shape[0]))
     back, _ = ctx.grouped_all_to_all(out_rows, recv_counts, plan.send_counts, num_slots)
     stream_pos = jnp.where(plan.pos == DROPPED_POS, DROPPED_POS,
                            plan.send_offsets[plan.dest] + plan.pos)

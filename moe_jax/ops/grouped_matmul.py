@@ -133,6 +133,7 @@ def _resolve(impl: str, dtype, k: int, n: int, platform: str | None) -> str:
     return impl
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_sm_count() -> int:
     """Streaming multiprocessors of the first GPU (132 if it cannot be read)."""
     try:

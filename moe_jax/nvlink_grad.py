@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.fp8 import dequantize
+from moe_jax.rounding import as_float32
 from moe_jax.transposes import row_dots
 
 
@@ -105,9 +106,9 @@ def row_cotangents(g_rows: jax.Array, y: jax.Array, valid: jax.Array, pick: jax.
        column `pick`, zeros elsewhere and on padding rows). The arithmetic
       is that of moe_jax.transposes.combine_cotangents, bit for bit.
     """
-    g32 = g_rows.astype(jnp.float32)
+    g32 = as_float32(g_rows)
     d_y = jnp.where(valid[:, None], weight[:, None] * g32, jnp.float32(0)).astype(y.dtype)
-    dots = jnp.where(valid, row_dots(g32, y.astype(jnp.float32)), jnp.float32(0))
+    dots = jnp.where(valid, row_dots(g32, as_float32(y)), jnp.float32(0))
     columns = jnp.arange(width, dtype=jnp.int32)
     one_hot = jnp.where((columns[None, :] == pick[:, None]) & valid[:, None], dots[:, None],
                         jnp.float32(0))

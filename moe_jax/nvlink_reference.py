@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from moe_jax.fp8 import quantize_e4m3
 from moe_jax.nvlink import Dispatched
 from moe_jax.plan import exclusive_cumsum, worst_case_rows_per_peer
+from moe_jax.rounding import as_float32
 
 
 class ReferenceOps(NamedTuple):
@@ -84,7 +85,7 @@ class ReferenceOps(NamedTuple):
         index = (expert_offset[dest, local] + src_offset[dest, local]
                  + slot_pos - stream_start[dest, local])
         y_all = jax.lax.all_gather(y, self.axis_name)                       # [dst, R, H]
-        rows = y_all[dest, jnp.clip(index, 0, y.shape[0] - 1)].astype(jnp.float32)
+        rows = as_float32(y_all[dest, jnp.clip(index, 0, y.shape[0] - 1)])
         acc = jnp.zeros((num_tokens,) + y.shape[1:], jnp.float32)
         for j in range(top_k):
             term = jnp.where(present[:, j, None], weights[:, j, None] * rows[:, j],

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import row_invariant
+from moe_jax.rounding import as_float32
 
 
 class SourceSizes(NamedTuple):
@@ -66,7 +67,7 @@ def source_weight_grads(a: jax.Array, d: jax.Array, sources: SourceSizes,
     index = jnp.clip(index, 0, a.shape[0] - 1)
 
     def gather(v):
-        picked = v.astype(jnp.float32)[index]
+        picked = as_float32(v)[index]
         return jnp.where(valid[..., None], picked, 0.0)
 
     a_t = jnp.swapaxes(gather(a), 1, 2).reshape(groups * a.shape[1], rows)

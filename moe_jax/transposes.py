@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.plan import DROPPED_POS
+from moe_jax.rounding import as_float32
 
 
 def row_dots(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -105,7 +106,7 @@ def combine_cotangents(g: jax.Array, cap_ret: jax.Array, spill_ret: jax.Array,
     """
     num_tokens, top_k = weights.shape
     capacity, spill = cap_ret.shape[1], spill_ret.shape[1]
-    g32 = g.astype(jnp.float32)
+    g32 = as_float32(g)
     weights_flat = weights.reshape(-1).astype(jnp.float32)
     q = pos - start
     in_cap = (q >= 0) & (q < capacity)
@@ -116,11 +117,11 @@ def combine_cotangents(g: jax.Array, cap_ret: jax.Array, spill_ret: jax.Array,
     hidden = cap_ret.shape[2:]
     rows = jnp.zeros((dest.shape[0],) + hidden, jnp.float32)
     if capacity:
-        rows = jnp.where(in_cap[:, None], cap_ret[dest, jnp.clip(q, 0, capacity - 1)]
-                         .astype(jnp.float32), rows)
+        rows = jnp.where(in_cap[:, None],
+                         as_float32(cap_ret[dest, jnp.clip(q, 0, capacity - 1)]), rows)
     if spill:
-        rows = jnp.where(in_spill[:, None], spill_ret[dest, jnp.clip(q - capacity, 0, spill - 1)]
-                         .astype(jnp.float32), rows)
+        rows = jnp.where(in_spill[:, None],
+                         as_float32(spill_ret[dest, jnp.clip(q - capacity, 0, spill - 1)]), rows)
     dots = row_dots(jnp.repeat(g32, top_k, axis=0), rows)
     d_weights = jnp.where(in_cap | in_spill, dots, jnp.float32(0)).reshape(num_tokens, top_k)
     return d_cap, d_spill, d_weights

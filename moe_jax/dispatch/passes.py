@@ -17,6 +17,7 @@ from moe_jax import manual_axes
 from moe_jax.dispatch.context import DispatchContext
 from moe_jax.ordered_grads import SourceSizes
 from moe_jax.plan import DispatchPlan, exclusive_cumsum
+from moe_jax.rounding import as_float32
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
 """(rows [M, H] sorted by local expert, group_sizes [E_local] int32) -> [M, H].
@@ -172,7 +173,7 @@ def tap_tokens(x: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
         acc = jnp.zeros(picks.shape[:1] + picks.shape[2:], jnp.float32)
         for j in range(top_k):    # pick order, as pack's transpose sums
             acc = acc + picks[:, j]
-        return ((acc + g_x.astype(jnp.float32)).astype(g_x.dtype),)
+        return ((acc + as_float32(g_x)).astype(g_x.dtype),)
 
     run.defvjp(fwd, bwd)
     return run(x)
@@ -205,7 +206,7 @@ def _tapped_pack(x, tap, plan: DispatchPlan, ctx: DispatchContext, *, start: int
         slot = jnp.where(in_stream, sorted_slots[index], sorted_slots.shape[0])
         g_tap = jnp.zeros((sorted_slots.shape[0],) + g_buf.shape[2:], jnp.float32)
         g_tap = g_tap.at[slot.reshape(-1)].set(
-            g_buf.reshape((-1,) + g_buf.shape[2:]).astype(jnp.float32), mode="drop")
+            as_float32(g_buf.reshape((-1,) + g_buf.shape[2:])), mode="drop")
         return zero_x, manual_axes.as_varying(g_tap, manual_axes.varying_axes(g_buf)), \
             None, None, None
 

@@ -8,9 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax import manual_axes
 from moe_jax.ops import grouped_matmul as gmm
-from moe_jax.ordered_grads import SourceSizes, ordered_sum, source_weight_grads
+from moe_jax.ordered_grads import SourceSizes, ordered_sum, source_weight_grads, summed_to
 
 
 class ExpertWeights(NamedTuple):
@@ -144,15 +143,8 @@ def _swiglu_ordered_bwd(compute_dtype, platform, max_rows, residuals, dy):
     d_w_down = ordered_sum(source_weight_grads(hidden, dy, sources, platform), 1)
     d_w_gate_up = ordered_sum(source_weight_grads(x, d_gate_up, sources, platform), 1)
     return (dx.astype(rows.dtype), None, None,
-            _summed_to(d_w_gate_up, w_gate_up).astype(w_gate_up.dtype),
-            _summed_to(d_w_down, w_down).astype(w_down.dtype))
-
-
-def _summed_to(grad, weight):
-    """grad summed over the manual axes it varies along and weight does not
-    (data-parallel groups: XLA's all-reduce, as autodiff would add)."""
-    extra = tuple(sorted(manual_axes.varying_axes(grad) - manual_axes.varying_axes(weight)))
-    return jax.lax.psum(grad, extra) if extra else grad
+            summed_to(d_w_gate_up, w_gate_up).astype(w_gate_up.dtype),
+            summed_to(d_w_down, w_down).astype(w_down.dtype))
 
 
 _swiglu_ordered.defvjp(_swiglu_ordered_fwd, _swiglu_ordered_bwd)

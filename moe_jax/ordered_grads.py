@@ -12,12 +12,13 @@ have the same bits on every strategy and EP size.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from moe_jax import row_invariant
+from moe_jax import manual_axes, row_invariant
 from moe_jax.rounding import as_float32
 
 
@@ -101,3 +102,40 @@ def _replicate_bwd(ranks, _, g):
 
 
 _replicate.defvjp(_replicate_fwd, _replicate_bwd)
+
+
+def ordered_matmul(x: jax.Array, w: jax.Array, platform: str | None = None) -> jax.Array:
+    """Row-invariant x @ w ([M, K] x [K, N] float32 -> [M, N] float32) whose
+    gradients are too: dx row by row (row_invariant.matmul with w^T), dw as
+    x^T dy summed over the rows in increasing order. XLA's dot would pick
+    its own summation order per program (on GPUs: per autotuned algorithm),
+    so the same rows could get other bits in another layer's program."""
+    return _ordered_matmul(x, w, platform)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ordered_matmul(x, w, platform):
+    return row_invariant.matmul(x, w, platform=platform)
+
+
+def _ordered_matmul_fwd(x, w, platform):
+    return _ordered_matmul(x, w, platform), (x, w)
+
+
+def _ordered_matmul_bwd(platform, residuals, dy):
+    x, w = residuals
+    dy = dy.astype(jnp.float32)
+    dx = row_invariant.matmul(dy, jnp.swapaxes(w, 0, 1), platform=platform)
+    sources = SourceSizes(jnp.full((1, 1), x.shape[0], jnp.int32), x.shape[0])
+    dw = source_weight_grads(x, dy, sources, platform)[0, 0]
+    return dx.astype(x.dtype), summed_to(dw, w).astype(w.dtype)
+
+
+def summed_to(grad: jax.Array, weight: jax.Array) -> jax.Array:
+    """grad summed over the manual axes it varies along and weight does not
+    (a replicated weight: XLA's all-reduce, as autodiff would add)."""
+    extra = tuple(sorted(manual_axes.varying_axes(grad) - manual_axes.varying_axes(weight)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
+_ordered_matmul.defvjp(_ordered_matmul_fwd, _ordered_matmul_bwd)

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax import row_invariant
+from moe_jax.ordered_grads import ordered_matmul
 
 
 class Routing(NamedTuple):
@@ -105,7 +105,7 @@ def router_logits(tokens: jax.Array, router: jax.Array, config) -> jax.Array:
     float32 with the multiply `config.matmul` names (see MoEConfig)."""
     x, w = tokens.astype(jnp.float32), router.astype(jnp.float32)
     if config.matmul == "row_invariant":
-        return row_invariant.matmul(x, w)
+        return ordered_matmul(x, w)
     return jnp.dot(x, w)
 
 

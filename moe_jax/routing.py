@@ -1,7 +1,10 @@
 """Routers: pick top-k experts per token, with their combine weights.
 
 Ties are broken towards the lower expert index (`lax.top_k` is stable), so
-routing is deterministic for given logits.
+routing is deterministic for given logits. The sums over a token's experts
+(the softmax, the renormalization of the picks) and their gradients' sums
+run in a fixed pairwise order (`transposes.row_dots`), so their bits do not
+depend on how XLA fuses the program around them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.ordered_grads import ordered_matmul
+from moe_jax.transposes import row_dots
 
 
 class Routing(NamedTuple):
@@ -37,9 +41,9 @@ def topk_softmax(logits: jax.Array, top_k: int) -> Routing:
       top_k: experts per token.
     """
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax(logits)
     top_probs, expert_ids = jax.lax.top_k(probs, top_k)
-    weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    weights = renormalize(top_probs)
     return Routing(expert_ids.astype(jnp.int32), weights, probs, logits)
 
 
@@ -67,8 +71,54 @@ def sigmoid_grouped(logits: jax.Array, top_k: int, num_groups: int, topk_groups:
     masked = jnp.where(expert_mask, select, -jnp.inf)
     _, expert_ids = jax.lax.top_k(masked, top_k)
     picked = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    weights = picked / jnp.sum(picked, axis=-1, keepdims=True) * routed_scaling
+    weights = renormalize(picked) * routed_scaling
     return Routing(expert_ids.astype(jnp.int32), weights, scores, logits)
+
+
+def _row_sum(v: jax.Array) -> jax.Array:
+    """[...] fixed-order sums of the rows of v [..., N] float32."""
+    return row_dots(v, jnp.ones_like(v))
+
+
+@jax.custom_vjp
+def softmax(logits: jax.Array) -> jax.Array:
+    """Softmax over the last axis of [..., E] float32 logits, its sums (and its
+    gradient's) in a fixed order. Differentiable."""
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    return e / _row_sum(e)[..., None]
+
+
+def _softmax_fwd(logits):
+    probs = softmax(logits)
+    return probs, probs
+
+
+def _softmax_bwd(probs, d_probs):
+    return (probs * (d_probs - row_dots(d_probs, probs)[..., None]),)
+
+
+softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@jax.custom_vjp
+def renormalize(picked: jax.Array) -> jax.Array:
+    """[..., k] float32 rows divided by their sums, in a fixed order (and the
+    gradient's). Differentiable."""
+    return picked / _row_sum(picked)[..., None]
+
+
+def _renormalize_fwd(picked):
+    total = _row_sum(picked)
+    weights = picked / total[..., None]
+    return weights, (weights, total)
+
+
+def _renormalize_bwd(residuals, d_weights):
+    weights, total = residuals
+    return ((d_weights - row_dots(d_weights, weights)[..., None]) / total[..., None],)
+
+
+renormalize.defvjp(_renormalize_fwd, _renormalize_bwd)
 
 
 def load_balancing_loss(routing: Routing, num_experts: int,

@@ -3,7 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.test_util import check_grads
 
+from moe_jax import routing
+from moe_testing import bits
 from moe_jax.routing import (load_balancing_loss, router_z_loss, sigmoid_grouped,
                              topk_softmax)
 
@@ -50,3 +53,29 @@ def test_sigmoid_grouped_picks_only_from_kept_groups():
     ids = np.asarray(r.expert_ids)
     assert all(len(set(row)) == 4 for row in ids)
     np.testing.assert_allclose(np.asarray(r.weights).sum(1), 1.0, rtol=1e-5)
+
+
+def test_softmax_and_renormalize_match_jax_and_their_gradients_check():
+    logits = jax.random.normal(jax.random.key(0), (64, 16), jnp.float32) * 2.0
+    np.testing.assert_allclose(routing.softmax(logits), jax.nn.softmax(logits), rtol=1e-6)
+    picked = jax.random.uniform(jax.random.key(1), (64, 4), jnp.float32) + 0.1
+    np.testing.assert_allclose(routing.renormalize(picked),
+                               picked / jnp.sum(picked, axis=-1, keepdims=True), rtol=1e-6)
+    check_grads(routing.softmax, (logits,), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+    check_grads(routing.renormalize, (picked,), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+def test_a_tokens_routing_and_its_gradient_depend_on_that_token_alone():
+    """Same bits for a token alone and among others (fixed-order sums)."""
+    logits = jax.random.normal(jax.random.key(2), (33, 8), jnp.float32)
+    cot = jax.random.normal(jax.random.key(3), (33, 8), jnp.float32)
+
+    def probs_and_grad(fn, rows):
+        out, pull = jax.vjp(fn, logits[rows])
+        return np.asarray(out), np.asarray(pull(cot[rows])[0])
+
+    for fn in (routing.softmax, lambda v: routing.renormalize(jnp.abs(v) + 0.1)):
+        whole = probs_and_grad(jax.jit(fn), slice(None))
+        alone = probs_and_grad(jax.jit(fn), slice(5, 6))
+        for a, b in zip(whole, alone):
+            np.testing.assert_array_equal(bits(a[5:6]), bits(b))

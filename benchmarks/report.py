@@ -1,6 +1,6 @@
 """Markdown table and latency-CDF plot from a dispatch_bench JSON file.
 
-    python -m benchmarks.report docs/benchmarks/dispatch/dispatch_4xH200_loop.json
+    python -m benchmarks.report docs/benchmarks/dispatch/dispatch_4xH100_loop.json
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax.test_util import check_grads
 
 import moe_jax as mj
-from moe_jax.ordered_grads import (SourceSizes, ordered_sum, replicate_for_ranks,
+from moe_jax.ordered_grads import (SourceSizes, ordered_matmul, ordered_sum, replicate_for_ranks,
                                    source_weight_grads)
 from moe_testing import bits, mesh_of
 
@@ -153,3 +154,25 @@ def test_dense_over_a_mesh_splits_the_tokens_and_matches_one_device():
                                float(aux_one.load_balance_loss), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(aux_mesh.expert_rows),
                                   np.asarray(aux_one.expert_rows))
+
+
+def test_ordered_matmul_is_x_at_w_with_gradients_that_check():
+    x = jax.random.normal(jax.random.key(5), (24, 16), jnp.float32)
+    w = jax.random.normal(jax.random.key(6), (16, 8), jnp.float32)
+    np.testing.assert_allclose(ordered_matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    cot = jax.random.normal(jax.random.key(7), (24, 8), jnp.float32)
+    got = jax.vjp(ordered_matmul, x, w)[1](cot)
+    want = jax.vjp(jnp.dot, x, w)[1](cot)
+    for g, d in zip(got, want):
+        np.testing.assert_allclose(g, d, rtol=1e-5, atol=1e-5)
+    check_grads(ordered_matmul, (x, w), order=1, modes=["rev"],
+                atol=1e-2, rtol=1e-2)
+
+
+def test_ordered_matmul_input_gradient_rows_depend_on_their_row_alone():
+    x = jax.random.normal(jax.random.key(8), (40, 16), jnp.float32)
+    w = jax.random.normal(jax.random.key(9), (16, 8), jnp.float32)
+    cot = jax.random.normal(jax.random.key(10), (40, 8), jnp.float32)
+    whole = jax.vjp(ordered_matmul, x, w)[1](cot)[0]
+    part = jax.vjp(ordered_matmul, x[7:9], w)[1](cot[7:9])[0]
+    np.testing.assert_array_equal(bits(np.asarray(whole[7:9])), bits(np.asarray(part)))

@@ -110,8 +110,8 @@ class MoEConfig:
         (moe_jax.ordered_grads; P times the local experts' weight-gradient
         memory in the backward), "dense" over a mesh adds its ranks'
         partials in the same order, and the layer is kept out of its
-        neighbours' XLA fusions, so a model trains bit for bit alike on
-        every strategy and EP size (docs/training.md; with data_axes the
+        neighbours' XLA fusions, so on a given mesh a model trains bit for
+        bit alike on every strategy (docs/training.md; with data_axes the
         groups' sums are XLA's all-reduce); dtype bfloat16 or float32. "xla": `lax.ragged_dot` (on GPU
         a dense matmul over every expert, and the bits of a row can change
         with the number of rows in the call).

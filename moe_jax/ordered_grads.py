@@ -6,8 +6,9 @@ over that source's rows in stream order, then the partials added in
 source-rank order. The expert-parallel strategies receive every source's
 rows and form the partials there; `dense` over a mesh forms its own rank's
 partial and adds the ranks' partials in the same order
-(`replicate_for_ranks`). So the weight gradients, and with them training,
-have the same bits on every strategy and EP size.
+(`replicate_for_ranks`). So on a given mesh the weight gradients, and
+with them training, have the same bits on every strategy (another EP size
+splits the rows into other partials, whose sum may round differently).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Routers: pick top-k experts per token, with their combine weights.
 
 Ties are broken towards the lower expert index (`lax.top_k` is stable), so
-routing is deterministic for given logits. The sums over a token's experts
-(the softmax, the renormalization of the picks) and their gradients' sums
-run in a fixed pairwise order (`transposes.row_dots`), so their bits do not
-depend on how XLA fuses the program around them.
+routing is deterministic for given logits. With `fixed_order` (the
+layer sets it with `MoEConfig.matmul="row_invariant"`) the sums over a
+token's experts (the softmax, the renormalization of the picks) and their
+gradients' sums run in a fixed pairwise order (`transposes.row_dots`), so
+their bits do not depend on how XLA fuses the program around them; those
+functions have reverse-mode gradients only (`jax.grad`, `jax.vjp`).
 """
 
 from __future__ import annotations
@@ -33,28 +35,31 @@ class Routing(NamedTuple):
     logits: jax.Array
 
 
-def topk_softmax(logits: jax.Array, top_k: int) -> Routing:
+def topk_softmax(logits: jax.Array, top_k: int, fixed_order: bool = False) -> Routing:
     """Mixtral routing: softmax over experts, top-k, weights renormalized.
 
     Args:
       logits: [T, E] router logits (any float dtype; computed in float32).
       top_k: experts per token.
+      fixed_order: sum in a fixed order (`softmax`, `renormalize`; module doc).
     """
     logits = logits.astype(jnp.float32)
-    probs = softmax(logits)
+    probs = softmax(logits) if fixed_order else jax.nn.softmax(logits, axis=-1)
     top_probs, expert_ids = jax.lax.top_k(probs, top_k)
-    weights = renormalize(top_probs)
+    weights = _renormalized(top_probs, fixed_order)
     return Routing(expert_ids.astype(jnp.int32), weights, probs, logits)
 
 
 def sigmoid_grouped(logits: jax.Array, top_k: int, num_groups: int, topk_groups: int,
-                    bias: jax.Array | None = None, routed_scaling: float = 1.0) -> Routing:
+                    bias: jax.Array | None = None, routed_scaling: float = 1.0,
+                    fixed_order: bool = False) -> Routing:
     """DeepSeek-V3 routing: sigmoid scores, group-limited top-k.
 
     Experts are split into `num_groups` contiguous groups; a group's score is
     the sum of its two best (biased) expert scores; only the best
     `topk_groups` groups are eligible. `bias` [E] shifts selection only; the
-    weights are the unbiased scores of the picks, renormalized and scaled.
+    weights are the unbiased scores of the picks, renormalized and scaled
+    (`fixed_order`: as in topk_softmax).
     """
     logits = logits.astype(jnp.float32)
     num_tokens, num_experts = logits.shape
@@ -71,8 +76,14 @@ def sigmoid_grouped(logits: jax.Array, top_k: int, num_groups: int, topk_groups:
     masked = jnp.where(expert_mask, select, -jnp.inf)
     _, expert_ids = jax.lax.top_k(masked, top_k)
     picked = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    weights = renormalize(picked) * routed_scaling
+    weights = _renormalized(picked, fixed_order) * routed_scaling
     return Routing(expert_ids.astype(jnp.int32), weights, scores, logits)
+
+
+def _renormalized(picked: jax.Array, fixed_order: bool) -> jax.Array:
+    if fixed_order:
+        return renormalize(picked)
+    return picked / jnp.sum(picked, axis=-1, keepdims=True)
 
 
 def _row_sum(v: jax.Array) -> jax.Array:
@@ -83,7 +94,7 @@ def _row_sum(v: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def softmax(logits: jax.Array) -> jax.Array:
     """Softmax over the last axis of [..., E] float32 logits, its sums (and its
-    gradient's) in a fixed order. Differentiable."""
+    gradient's) in a fixed order. Reverse-mode differentiable."""
     e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     return e / _row_sum(e)[..., None]
 
@@ -103,7 +114,7 @@ softmax.defvjp(_softmax_fwd, _softmax_bwd)
 @jax.custom_vjp
 def renormalize(picked: jax.Array) -> jax.Array:
     """[..., k] float32 rows divided by their sums, in a fixed order (and the
-    gradient's). Differentiable."""
+    gradient's). Reverse-mode differentiable."""
     return picked / _row_sum(picked)[..., None]
 
 
@@ -160,8 +171,11 @@ def router_logits(tokens: jax.Array, router: jax.Array, config) -> jax.Array:
 
 
 def route(logits: jax.Array, config, bias: jax.Array | None = None) -> Routing:
-    """Routes with the router `config.router` names (see MoEConfig)."""
+    """Routes with the router `config.router` names (see MoEConfig); its sums
+    in a fixed order with `config.matmul == "row_invariant"`."""
+    fixed_order = config.matmul == "row_invariant"
     if config.router == "softmax":
-        return topk_softmax(logits, config.top_k)
+        return topk_softmax(logits, config.top_k, fixed_order=fixed_order)
     return sigmoid_grouped(logits, config.top_k, config.num_groups, config.topk_groups,
-                           bias=bias, routed_scaling=config.routed_scaling)
+                           bias=bias, routed_scaling=config.routed_scaling,
+                           fixed_order=fixed_order)

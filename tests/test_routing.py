@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.test_util import check_grads
 
 from moe_jax import routing
@@ -79,3 +80,15 @@ def test_a_tokens_routing_and_its_gradient_depend_on_that_token_alone():
         alone = probs_and_grad(jax.jit(fn), slice(5, 6))
         for a, b in zip(whole, alone):
             np.testing.assert_array_equal(bits(a[5:6]), bits(b))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_fixed_order_routing_picks_the_same_experts_and_weights(router):
+    logits = jax.random.normal(jax.random.key(4), (64, 16), jnp.float32)
+    if router == "softmax":
+        plain, fixed = (topk_softmax(logits, 4, fixed_order=f) for f in (False, True))
+    else:
+        plain, fixed = (sigmoid_grouped(logits, 4, 4, 2, fixed_order=f) for f in (False, True))
+    np.testing.assert_array_equal(np.asarray(plain.expert_ids), np.asarray(fixed.expert_ids))
+    np.testing.assert_allclose(np.asarray(fixed.weights), np.asarray(plain.weights), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(fixed.probs), np.asarray(plain.probs), rtol=1e-6)

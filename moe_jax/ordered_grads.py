@@ -105,6 +105,13 @@ def _replicate_bwd(ranks, _, g):
 _replicate.defvjp(_replicate_fwd, _replicate_bwd)
 
 
+def summed_to(grad: jax.Array, weight: jax.Array) -> jax.Array:
+    """grad summed over the manual axes it varies along and weight does not
+    (a replicated weight: XLA's all-reduce, as autodiff would add)."""
+    extra = tuple(sorted(manual_axes.varying_axes(grad) - manual_axes.varying_axes(weight)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
 def ordered_matmul(x: jax.Array, w: jax.Array, platform: str | None = None) -> jax.Array:
     """Row-invariant x @ w ([M, K] x [K, N] float32 -> [M, N] float32) whose
     gradients are too: dx row by row (row_invariant.matmul with w^T), dw as
@@ -125,18 +132,10 @@ def _ordered_matmul_fwd(x, w, platform):
 
 def _ordered_matmul_bwd(platform, residuals, dy):
     x, w = residuals
-    dy = dy.astype(jnp.float32)
     dx = row_invariant.matmul(dy, jnp.swapaxes(w, 0, 1), platform=platform)
-    sources = SourceSizes(jnp.full((1, 1), x.shape[0], jnp.int32), x.shape[0])
-    dw = source_weight_grads(x, dy, sources, platform)[0, 0]
+    # Row k of x^T @ dy sums over the rows of x in increasing order.
+    dw = row_invariant.matmul(jnp.swapaxes(x, 0, 1), dy, platform=platform)
     return dx.astype(x.dtype), summed_to(dw, w).astype(w.dtype)
-
-
-def summed_to(grad: jax.Array, weight: jax.Array) -> jax.Array:
-    """grad summed over the manual axes it varies along and weight does not
-    (a replicated weight: XLA's all-reduce, as autodiff would add)."""
-    extra = tuple(sorted(manual_axes.varying_axes(grad) - manual_axes.varying_axes(weight)))
-    return jax.lax.psum(grad, extra) if extra else grad
 
 
 _ordered_matmul.defvjp(_ordered_matmul_fwd, _ordered_matmul_bwd)
